@@ -1,0 +1,1 @@
+"""Fused Triton kernels for MHLA (installed as `mhla_diffusion.kernels`)."""
