@@ -1,0 +1,138 @@
+"""MHLA attention processors: one class per attention behaviour, as diffusers does.
+
+Each processor is an nn.Module (one instance per converted layer) so its mixing matrix and
+optional output norm/gate reach `named_parameters()`, optimizers and `save_pretrained`. It
+reuses the layer's own q/k/v/out projections and q/k norms. The token grid of each call comes
+from a `TokenGrid` that a forward pre-hook on the transformer fills in (models pass no grid).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import resolve_blocks
+from .config import MHLAConfig
+from .mixing import MixingMatrices
+from .ops import mhla_attention
+
+# silu(b) = 1 at b = 1 + W(1/e): a zero-weight gate with this bias starts fully open.
+GATE_OPEN_BIAS = 1.278464542761074
+
+
+class TokenGrid:
+    """The post-patch (T, H, W) token grid of the transformer call in flight."""
+
+    def __init__(self):
+        self.grid: tuple[int, int, int] | None = None
+
+
+class MHLAProcessorBase(nn.Module):
+    """Shared state and the MHLA core; subclasses map a layer's projections onto it."""
+
+    def __init__(self, config: MHLAConfig, heads: int, head_dim: int, dim: int, token_grid: TokenGrid):
+        super().__init__()
+        self.config = config
+        self.heads, self.head_dim = heads, head_dim
+        fixed = [] if config.blocks == "auto" else [config.blocks]
+        self.mixing = MixingMatrices(config.mix_init, fixed)
+        self.norm_gain = nn.Parameter(torch.ones(heads, head_dim)) if config.output_norm else None
+        self.gate = None
+        if config.output_gate:
+            self.gate = nn.Linear(dim, heads * head_dim)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.constant_(self.gate.bias, GATE_OPEN_BIAS)
+        self.token_grid = token_grid  # plain object, not a submodule
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"blocks={c.blocks}, feature={c.feature}, normalize={c.normalize}, heads={self.heads}"
+
+    def current_grid(self, num_tokens: int) -> tuple[int, int, int]:
+        grid = self.token_grid.grid
+        if grid is None:
+            raise RuntimeError(
+                "MHLA processor called outside a transformer forward: the token grid is unknown. "
+                "Call the transformer (its pre-hook publishes the grid), or set processor.token_grid.grid."
+            )
+        if grid[0] * grid[1] * grid[2] != num_tokens:
+            raise RuntimeError(f"self-attention got {num_tokens} tokens but the transformer's token grid {grid} holds {math.prod(grid)}")
+        return grid
+
+    def attend(self, q, k, v, layer_input, rope=None) -> torch.Tensor:
+        """q, k, v: (B, N, heads, D) after the layer's projections and norms -> (B, N, heads*D)."""
+        c = self.config
+        grid = self.current_grid(q.shape[1])
+        blocks = resolve_blocks(grid, c.blocks)
+        mix = self.mixing(blocks, q.device)
+        rope = rope if c.rope == "numerator" else None
+        out = mhla_attention(q, k, v, mix, grid, blocks, normalize=c.normalize, eps=c.eps, feature=c.feature, rope=rope)
+        if self.norm_gain is not None:
+            out32 = out.float()
+            out32 = out32 * torch.rsqrt(out32.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_gain.float()
+            out = out32.to(out.dtype)
+        out = out.flatten(2)
+        if self.gate is not None:
+            out = out * F.silu(self.gate(layer_input)).to(out.dtype)
+        return out
+
+
+class MHLAAttnProcessor(MHLAProcessorBase):
+    """Self-attention of diffusers' legacy `Attention` (DiT and PixArt `attn1`)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("MHLAAttnProcessor is for unmasked self-attention; cross-attention keeps its own processor")
+        residual = hidden_states
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        b, n, _ = hidden_states.shape
+        q, k, v = (proj(hidden_states).view(b, n, attn.heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        out = self.attend(q, k, v, hidden_states).to(q.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+class MHLASanaAttnProcessor(MHLAProcessorBase):
+    """SANA's self-attention: its global ReLU linear attention becomes the blocked one."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
+        if encoder_hidden_states is not None:
+            raise ValueError("MHLASanaAttnProcessor is for self-attention; cross-attention keeps its own processor")
+        dtype = hidden_states.dtype
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
+        out = self.attend(q, k, v, hidden_states).to(dtype)
+        out = attn.to_out[1](attn.to_out[0](out))
+        if dtype == torch.float16:
+            out = out.clip(-65504, 65504)
+        return out
+
+
+class MHLAWanAttnProcessor(MHLAProcessorBase):
+    """Wan2.1 self-attention (`blocks[i].attn1`): q/k RMSNorm across heads, 3D RoPE on the numerator."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("MHLAWanAttnProcessor is for unmasked self-attention; cross-attention keeps its own processor")
+        if attn.fused_projections:
+            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
+        out = self.attend(q, k, v, hidden_states, rope=rotary_emb).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
