@@ -1,38 +1,33 @@
-"""mhla-diffusion: multi-head linear attention (MHLA) for pretrained diffusers transformers."""
+"""mhla-diffusion: multi-head linear attention (MHLA) for pretrained diffusers transformers.
+
+Importing this package does not import diffusers (only loading checkpoints does), so the
+operator and kernels work on machines without it.
+"""
 
 from .blocks import auto_blocks
 from .config import MHLAConfig
+from .conversion import (
+    attn_processors,
+    convert,
+    default_config,
+    is_converted,
+    mhla_parameters,
+    mhla_processors,
+    set_attn_processor,
+)
 from .ops import mhla_attention
+from .persistence import from_pretrained
 
 __all__ = [
     "MHLAConfig",
+    "attn_processors",
     "auto_blocks",
-    "mhla_attention",
     "convert",
+    "default_config",
+    "from_pretrained",
+    "is_converted",
+    "mhla_attention",
+    "mhla_parameters",
     "mhla_processors",
     "set_attn_processor",
-    "attn_processors",
-    "mhla_parameters",
-    "is_converted",
-    "from_pretrained",
-    "default_config",
 ]
-
-_LAZY = {  # these import diffusers-facing code; kept lazy so the op imports without diffusers
-    "convert": "convert",
-    "mhla_processors": "convert",
-    "set_attn_processor": "convert",
-    "attn_processors": "convert",
-    "mhla_parameters": "convert",
-    "is_converted": "convert",
-    "default_config": "convert",
-    "from_pretrained": "persistence",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import MHLAConfig
-from .convert import CONFIG_KEY, convert, mhla_modules
+from .conversion import CONFIG_KEY, convert, mhla_modules
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
