@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .config import MHLAConfig
-from .families import family_of, self_attentions, token_grid
+from .blocks import auto_blocks, check_blocks
+from .families import default_grid, family_of, self_attentions, token_grid
 from .processors import MHLAProcessorBase, TokenGrid
 
 CONFIG_KEY = "mhla"  # key of the MHLAConfig in the transformer's config.json
@@ -54,6 +55,9 @@ def mhla_processors(transformer, config: MHLAConfig | None = None) -> dict:
     config = config or default_config(transformer)
     if is_converted(transformer):
         raise ValueError("this transformer is already converted to MHLA; convert the original model, or reload with mhla_diffusion.from_pretrained")
+    native = default_grid(transformer)
+    if native is not None and config.blocks != "auto":
+        check_blocks(native, config.blocks)  # image models: bt must be 1, bh/bw fit the native grid
     grid = _grid_hook(transformer)
     procs = attn_processors(transformer)
     names = {id(m): n for n, m in transformer.named_modules()}
@@ -64,6 +68,8 @@ def mhla_processors(transformer, config: MHLAConfig | None = None) -> dict:
         inner = attn.inner_dim
         dim = attn.to_out[0].out_features
         proc = family.processor(config, heads, inner // heads, dim, grid)
+        if native is not None and config.blocks == "auto":
+            proc.mixing.add(auto_blocks(native))  # the native resolution's matrix exists from the start
         weight = attn.to_out[0].weight
         procs[f"{names[id(attn)]}.processor"] = proc.to(device=weight.device, dtype=weight.dtype)
     transformer.register_to_config(**{CONFIG_KEY: config.to_dict()})

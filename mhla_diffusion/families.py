@@ -49,6 +49,16 @@ def self_attentions(transformer) -> list:
     return [block.attn1 for block in blocks]
 
 
+def default_grid(transformer) -> tuple[int, int, int] | None:
+    """The token grid at the model's native resolution, for image models that declare one."""
+    size = getattr(transformer.config, "sample_size", None)
+    patch = transformer.config.patch_size
+    if size is None or isinstance(patch, (tuple, list)):
+        return None
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    return (1, size[0] // patch, size[1] // patch)
+
+
 def token_grid(transformer, hidden_states) -> tuple[int, int, int]:
     """Post-patch (T, H, W) grid of a transformer input (B, C, H, W) or (B, C, F, H, W)."""
     spatial = tuple(hidden_states.shape[2:])

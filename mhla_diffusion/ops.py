@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .reference import check_inputs, mhla_attention_reference
+from .reference import check_inputs, feature_map, mhla_attention_reference
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -74,8 +74,7 @@ def mhla_attention(
             q, k, v, mix, grid, blocks, normalize=normalize, eps=eps, feature=feature, rope=rope
         )
     grid, blocks = check_inputs(q, k, v, mix, grid, blocks)
-    if feature not in ("relu", "elu"):
-        raise ValueError(f"unknown feature map {feature!r}; choose one of ['elu', 'relu']")
+    feature_map(feature)  # validates the name
     return _kernels().mhla_attention_triton(
         q, k, v, mix, grid, blocks, normalize=normalize, eps=eps, feature=feature, rope=rope
     )

@@ -1,0 +1,158 @@
+"""`mhla-diffusion bench`: speed measurements. A command group; `op` times the attention operator.
+
+Further benchmarks register beside `op` through `register_bench_command`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="measure speed on this machine's GPU")
+    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    register_bench_command(commands)
+
+
+def register_bench_command(commands) -> None:
+    op = commands.add_parser(
+        "op",
+        help="time MHLA (Triton, PyTorch reference) against SDPA and the memory floor",
+        description="Forward and forward+backward times (median, triton.testing.do_bench) of the attention op.",
+    )
+    op.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="subset of shapes (default: all)")
+    op.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    op.add_argument("--batch", type=int, default=1)
+    op.add_argument("--check", action="store_true", help="first check Triton against the fp64 reference at real sizes")
+    op.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    op.set_defaults(func=run_op)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    heads: int
+    d: int
+    grid: tuple
+    blocks: object = "auto"
+
+
+SHAPES = [
+    Shape("DiT-XL/2 256px", 16, 72, (1, 16, 16)),
+    Shape("DiT-XL/2 512px", 16, 72, (1, 32, 32)),
+    Shape("SANA-1.6B 1K", 70, 32, (1, 32, 32)),
+    Shape("SANA-1.6B 4K", 70, 32, (1, 128, 128)),
+    Shape("SANA-1.6B-like 4K 20x112", 20, 112, (1, 128, 128)),
+    Shape("DiT-S/2 4096px", 6, 64, (1, 256, 256)),
+    Shape("Wan2.1-1.3B 480p", 12, 128, (21, 30, 52), (3, 4, 5)),
+    Shape("Wan2.1-14B 720p", 40, 128, (21, 45, 80), (3, 5, 8)),
+]
+
+
+def _copy_bandwidth(do_bench) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), the floor's denominator."""
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def _time_op(do_bench, fn, leaves, do, backward: bool) -> float:
+    if not backward:
+        with torch.no_grad():
+            return do_bench(lambda: fn(*leaves), return_mode="median")
+    return do_bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
+
+
+def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, do_bench) -> dict:
+    from ..blocks import locality_mix, resolve_blocks
+    from ..ops import mhla_attention
+
+    blocks = resolve_blocks(shape.grid, shape.blocks)
+    n, m = math.prod(shape.grid), math.prod(blocks)
+    q, k, v, do = (torch.randn(batch, n, shape.heads, shape.d, device="cuda", dtype=dtype) for _ in range(4))
+    mix = locality_mix(blocks).float().cuda()
+    row_bytes = q.numel() * q.element_size()
+    leaves = [t.requires_grad_() for t in (q, k, v, mix)]
+
+    def sdpa(q, k, v, mix):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2)
+
+    def mhla(backend):
+        return lambda q, k, v, mix: mhla_attention(q, k, v, mix, shape.grid, blocks, backend=backend)
+
+    row = {"shape": shape.name, "N": n, "heads": shape.heads, "D": shape.d, "blocks": list(blocks), "M": m,
+           "blocks_chosen": "auto" if shape.blocks == "auto" else "fixed",
+           "floor_fwd_ms": 4 * row_bytes / bandwidth * 1e3, "floor_fwdbwd_ms": 11 * row_bytes / bandwidth * 1e3}
+    for name, fn in (("sdpa", sdpa), ("torch", mhla("torch")), ("triton", mhla("triton"))):
+        for backward, key in ((False, "fwd"), (True, "fwdbwd")):
+            row[f"{name}_{key}_ms"] = _time_op(do_bench, fn, leaves, do, backward)
+            torch.cuda.empty_cache()
+    row["triton_fwd_floor_frac"] = row["floor_fwd_ms"] / row["triton_fwd_ms"]
+    row["triton_fwdbwd_floor_frac"] = row["floor_fwdbwd_ms"] / row["triton_fwdbwd_ms"]
+    return row
+
+
+def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: int) -> str:
+    lines = [
+        f"{device}, {dtype}, B = {batch}, medians of triton.testing.do_bench in ms; copy bandwidth "
+        f"{bandwidth / 1e12:.2f} TB/s. floor: read q, k, v and write o once (fwd); plus read q, k, v, dO and write "
+        "dq, dk, dv (fwd+bwd). % floor = floor / Triton time.",
+        "",
+        "| shape | N | heads x D | blocks (M) | floor fwd | SDPA fwd | torch fwd | Triton fwd | % floor "
+        "| floor f+b | SDPA f+b | torch f+b | Triton f+b | % floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        blocks = f"{'x'.join(map(str, r['blocks']))} ({r['M']}, {r['blocks_chosen']})"
+        lines.append(
+            f"| {r['shape']} | {r['N']:,} | {r['heads']} x {r['D']} | {blocks} | {r['floor_fwd_ms']:.3f} "
+            f"| {r['sdpa_fwd_ms']:.3f} | {r['torch_fwd_ms']:.3f} | {r['triton_fwd_ms']:.3f} "
+            f"| {100 * r['triton_fwd_floor_frac']:.0f}% | {r['floor_fwdbwd_ms']:.3f} | {r['sdpa_fwdbwd_ms']:.3f} "
+            f"| {r['torch_fwdbwd_ms']:.3f} | {r['triton_fwdbwd_ms']:.3f} | {100 * r['triton_fwdbwd_floor_frac']:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def _check_table(results: list[dict]) -> str:
+    lines = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        e = r["errors"]
+        errs = " | ".join(f"{e[x]:.1e}" for x in ("o", "dq", "dk", "dv", "dmix"))
+        lines.append(f"| {r['case']} | {r['dtype']} | {r['N']:,} | {r['M']} | {r['heads']} x {r['D']}/{r['Dv']} "
+                     f"| {errs} | {'yes' if r['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def run_op(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError("bench op needs a CUDA GPU")
+    from triton.testing import do_bench
+
+    from ..ops import _kernels
+
+    dtype = getattr(torch, args.dtype)
+    report = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch}
+    if args.check:
+        check = importlib.import_module(f"{_kernels().__name__}.check")
+        report["check"] = check.run_checks()
+    report["bandwidth_Bps"] = bandwidth = _copy_bandwidth(do_bench)
+    shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
+    report["rows"] = [bench_shape(s, dtype, args.batch, bandwidth, do_bench) for s in shapes]
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        if args.check:
+            print(_check_table(report["check"]), end="\n\n")
+        print(_table(report["rows"], report["device"], bandwidth, args.dtype, args.batch))
+    failed = [r["case"] for r in report.get("check", []) if not r["ok"]]
+    if failed:
+        raise ValueError(f"Triton kernels off the fp64 reference in: {', '.join(failed)}")
+    return 0

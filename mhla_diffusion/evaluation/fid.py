@@ -1,0 +1,136 @@
+"""FID with torchmetrics' FrechetInceptionDistance: against an image folder or (mu, sigma) stats.
+
+Precomputed stats (ADM / clean-fid `.npz` with `mu`, `sigma`, optional `n`) are loaded by
+setting the metric's float64 real-side sums so that its own compute() recovers mu and sigma.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import images, inception
+
+# FID depends only on (mu, sigma): compute() recovers both exactly for any n >= 2. n only
+# labels the stats; when an .npz lacks it we assume the FID-50K convention.
+DEFAULT_REFERENCE_N = 50_000
+
+
+@dataclass
+class FeatureStats:
+    """Mean and covariance of n feature vectors."""
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    n: int
+
+    def save(self, path) -> None:
+        np.savez(path, mu=self.mu, sigma=self.sigma, n=np.int64(self.n))
+
+    @classmethod
+    def load(cls, path) -> "FeatureStats":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"reference stats {path} not found")
+        with np.load(path) as data:
+            missing = {"mu", "sigma"} - set(data.files)
+            if missing:
+                raise ValueError(f"{path} lacks {sorted(missing)}: a reference .npz needs 'mu' and 'sigma' (ADM / clean-fid format)")
+            mu, sigma = data["mu"].astype(np.float64), data["sigma"].astype(np.float64)
+            n = int(data["n"]) if "n" in data.files else DEFAULT_REFERENCE_N
+        if mu.ndim != 1 or sigma.shape != (mu.size, mu.size):
+            raise ValueError(f"{path}: mu must be (d,) and sigma (d, d), got {mu.shape} and {sigma.shape}")
+        if n < 2:
+            raise ValueError(f"{path}: stats from n = {n} images; FID needs at least 2")
+        return cls(mu, sigma, n)
+
+
+def make_metric(feature=None, inception_weights=None, device="cpu"):
+    """FrechetInceptionDistance on `feature` (an nn.Module: uint8 images -> features), or on the
+    standard 2048-d InceptionV3 when None (weights from `inception_weights` or the hub cache)."""
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    if feature is None:
+        path = inception.weights_path(inception_weights)
+        metric = FrechetInceptionDistance(feature=2048, feature_extractor_weights_path=str(path))
+    else:
+        metric = FrechetInceptionDistance(feature=feature)
+    return metric.to(device)
+
+
+def num_features(metric) -> int:
+    return metric.real_features_sum.numel()
+
+
+def add_images(metric, paths, real: bool, batch_size: int = 50, desc: str | None = None) -> None:
+    """Feed image files to the real or fake side of `metric`."""
+    device = metric.real_features_sum.device
+    with tqdm(total=len(paths), desc=desc, unit="img", disable=desc is None) as bar:
+        for batch in images.batches(paths, batch_size):
+            metric.update(batch.to(device), real=real)
+            bar.update(len(batch))
+
+
+def set_real_stats(metric, stats: FeatureStats) -> None:
+    """Make the real side of `metric` hold `stats` (sum = n mu, outer sum = (n-1) sigma + n mu mu^T)."""
+    d = num_features(metric)
+    if stats.mu.size != d:
+        raise ValueError(f"reference stats have {stats.mu.size} features but the FID network gives {d}: they were made with another network")
+    device = metric.real_features_sum.device
+    mu = torch.as_tensor(stats.mu, dtype=torch.float64, device=device)
+    sigma = torch.as_tensor(stats.sigma, dtype=torch.float64, device=device)
+    metric.real_features_sum = stats.n * mu
+    metric.real_features_cov_sum = (stats.n - 1) * sigma + stats.n * torch.outer(mu, mu)
+    metric.real_features_num_samples = torch.tensor(stats.n, dtype=torch.long, device=device)
+
+
+def real_stats(metric) -> FeatureStats:
+    """The (mu, sigma, n) of the images fed to the real side."""
+    n = int(metric.real_features_num_samples)
+    mu = metric.real_features_sum / n
+    sigma = (metric.real_features_cov_sum - n * torch.outer(mu, mu)) / (n - 1)
+    return FeatureStats(mu.cpu().numpy(), sigma.cpu().numpy(), n)
+
+
+def check_count(n: int, what: str) -> None:
+    if n < 2:
+        raise ValueError(f"{what} has {n} image(s); FID needs at least 2 (a covariance needs two samples)")
+
+
+def folder_stats(folder, feature=None, inception_weights=None, batch_size: int = 50, progress: bool = False, device="cpu") -> FeatureStats:
+    """Stats of every image under `folder` (what `eval ref-stats` writes)."""
+    paths = images.list_images(folder)
+    check_count(len(paths), f"reference folder {folder}")
+    metric = make_metric(feature, inception_weights, device)
+    add_images(metric, paths, real=True, batch_size=batch_size, desc="reference" if progress else None)
+    return real_stats(metric)
+
+
+def load_reference(metric, reference, batch_size: int = 50, progress: bool = False) -> int:
+    """Fill the real side from an image folder or an .npz of stats; returns the reference's n."""
+    reference = Path(reference)
+    if not reference.exists():
+        raise FileNotFoundError(f"reference {reference} not found: give an image folder or an .npz with mu and sigma")
+    if reference.is_file():
+        if reference.suffix != ".npz":
+            raise ValueError(f"reference {reference} is a file but not an .npz of stats; give an image folder or an .npz with mu and sigma")
+        stats = FeatureStats.load(reference)
+        set_real_stats(metric, stats)
+        return stats.n
+    paths = images.list_images(reference)
+    check_count(len(paths), f"reference folder {reference}")
+    add_images(metric, paths, real=True, batch_size=batch_size, desc="reference" if progress else None)
+    return len(paths)
+
+
+def fid(fake_paths, reference, feature=None, inception_weights=None, batch_size: int = 50, progress: bool = False, device="cpu") -> tuple[float, int]:
+    """FID of the images `fake_paths` against `reference` (folder or .npz); returns (fid, reference n)."""
+    check_count(len(fake_paths), "the generated set")
+    metric = make_metric(feature, inception_weights, device)
+    n_ref = load_reference(metric, reference, batch_size, progress)
+    add_images(metric, list(fake_paths), real=False, batch_size=batch_size, desc="samples" if progress else None)
+    return float(metric.compute()), n_ref

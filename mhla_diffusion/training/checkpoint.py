@@ -1,0 +1,77 @@
+"""Checkpoints for resuming: `accelerator.save_state` plus where the data loader stood.
+
+`output_dir/checkpoints/checkpoint-<step>/` holds accelerate's state (model, optimizer, LR
+scheduler, EMA, RNG states) and `progress.json` (step, epoch, batches consumed in that epoch)
+plus the recipe config it was written under. A resumed run checks that config before any
+training starts and skips the consumed batches with `accelerator.skip_first_batches`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import yaml
+
+from .config import resume_mismatch, to_dict
+
+log = logging.getLogger(__name__)
+
+PREFIX = "checkpoint-"
+
+
+def checkpoints_dir(config) -> Path:
+    return Path(config.output_dir) / "checkpoints"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (those with progress.json, written last), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [d for d in root.iterdir() if d.name.startswith(PREFIX) and (d / "progress.json").is_file()]
+    return sorted(found, key=lambda d: int(d.name[len(PREFIX):]))
+
+
+def find_resume(config) -> Path | None:
+    """The checkpoint to resume from, validated against `config`; None for a fresh run."""
+    if not config.resume:
+        return None
+    if config.resume == "latest":
+        found = list_checkpoints(checkpoints_dir(config))
+        if not found:
+            log.info("resume=latest: no checkpoint in %s, starting fresh", checkpoints_dir(config))
+            return None
+        path = found[-1]
+    else:
+        path = Path(config.resume)
+        if not (path / "progress.json").is_file():
+            raise FileNotFoundError(f"resume dir {path} is not a complete checkpoint (no progress.json)")
+    saved = yaml.safe_load((path / "train_config.yaml").read_text())
+    diff = resume_mismatch(config, saved)
+    if diff:
+        raise ValueError(f"checkpoint {path} was written by a different recipe; differing keys: {'; '.join(diff)}")
+    return path
+
+
+def read_progress(path: Path) -> dict:
+    return json.loads((path / "progress.json").read_text())
+
+
+def save_checkpoint(accelerator, config, step: int, batches_per_epoch: int) -> Path:
+    """Save state for `step`, keeping at most `checkpoints_total_limit` checkpoints."""
+    root = checkpoints_dir(config)
+    if accelerator.is_main_process and config.checkpoints_total_limit > 0:
+        existing = list_checkpoints(root)
+        for old in existing[: max(0, len(existing) - config.checkpoints_total_limit + 1)]:
+            shutil.rmtree(old)
+    path = root / f"{PREFIX}{step}"
+    accelerator.save_state(str(path))  # collective: every rank takes part
+    if accelerator.is_main_process:
+        consumed = step * config.gradient_accumulation_steps
+        progress = {"step": step, "epoch": consumed // batches_per_epoch, "batches_in_epoch": consumed % batches_per_epoch}
+        (path / "train_config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        (path / "progress.json").write_text(json.dumps(progress))  # last: marks the checkpoint complete
+    accelerator.wait_for_everyone()
+    return path

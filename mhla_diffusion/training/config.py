@@ -1,0 +1,194 @@
+"""Recipe configuration: a YAML file of flat keys plus `--key value` overrides.
+
+Flat keys keep command-line overrides one-to-one with the file. Unknown keys are errors that
+name the key (a typo must never silently fall back to a default), and values are coerced to
+the field's type so that `--learning_rate 1e-4` and YAML's `1e-4` (a string in YAML 1.1) work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+TRAIN_MODES = ("full", "mhla", "lora")
+OBJECTIVES = ("auto", "ddpm", "flow")
+DATA_TYPES = ("auto", "images", "videos", "latents")
+PRECISIONS = ("no", "fp16", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    # model
+    pretrained: str = ""  # local diffusers dir or hub id of the *unconverted* pipeline
+    family: str = ""  # optional guard: "dit", "pixart", "sana" or "wan"; must match the model
+    # conversion (MHLAConfig fields); blocks "auto" is resolved from the training resolution
+    mhla_blocks: str = "auto"
+    mhla_layers: str = "all"  # "all", "hybrid:3", or "0,1,5"
+    mhla_options: dict = field(default_factory=dict)  # other MHLAConfig fields over the family default
+    # what trains
+    train_mode: str = "full"  # full | mhla (MHLA params [+ q/k/v/out]) | lora (+ MHLA params)
+    train_qkv: bool = False  # mhla mode: also train self-attention to_q/to_k/to_v/to_out.0
+    lora_rank: int = 16
+    lora_alpha: float = 16.0
+    # objective
+    objective: str = "auto"  # auto: ddpm for dit/pixart, flow for sana/wan
+    flow_shift: float = 3.0
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    # distillation from the unconverted model (weights of the loss terms; 0 = off)
+    distill_output: float = 0.0
+    distill_layers: float = 0.0
+    # data
+    data_dir: str = ""
+    data_type: str = "auto"
+    resolution: list = field(default_factory=lambda: [256, 256])  # pixels (h, w); one int = square
+    num_frames: int = 81
+    max_sequence_length: int = 0  # 0: the pipeline's default
+    num_workers: int = 2
+    # optimization
+    train_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    max_steps: int = 1000
+    learning_rate: float = 1e-4
+    lr_scheduler: str = "constant_with_warmup"
+    lr_warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    allow_tf32: bool = True
+    ema_decay: float = 0.0  # 0 = no EMA
+    seed: int = 0
+    # checkpoints, logs, samples
+    output_dir: str = "outputs/run"
+    checkpointing_steps: int = 500
+    checkpoints_total_limit: int = 3
+    resume: str = ""  # "", "latest", or a checkpoint dir
+    log_every: int = 1
+    validation_steps: int = 0  # 0 = no periodic samples
+    validation_prompts: list = field(default_factory=list)  # text families
+    validation_classes: list = field(default_factory=list)  # class-conditional (DiT)
+    validation_inference_steps: int = 25
+    validation_guidance_scale: float = 4.0
+
+    def __post_init__(self):
+        res = self.resolution if isinstance(self.resolution, (list, tuple)) else [self.resolution]
+        res = [int(r) for r in res]
+        self.resolution = res * 2 if len(res) == 1 else res
+        checks = [("train_mode", TRAIN_MODES), ("objective", OBJECTIVES), ("data_type", DATA_TYPES), ("mixed_precision", PRECISIONS)]
+        for name, allowed in checks:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if len(self.resolution) != 2:
+            raise ValueError(f"resolution must be one int or [height, width], got {self.resolution}")
+        if not self.pretrained:
+            raise ValueError("pretrained is required: a local diffusers dir or a hub id")
+        if self.train_qkv and self.train_mode != "mhla":
+            raise ValueError("train_qkv applies to train_mode 'mhla' only")
+        for name in ("train_batch_size", "gradient_accumulation_steps", "max_steps", "checkpointing_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _coerce(name: str, kind, value):
+    """`value` (from YAML or the command line) as the field's type."""
+    origin = typing.get_origin(kind) or kind
+    if origin in (list, dict) and isinstance(value, str):
+        value = yaml.safe_load(value)
+    try:
+        if origin is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if origin is list:
+            return list(value) if isinstance(value, (list, tuple)) else [value]
+        if origin is dict:
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+        if origin is str:
+            return "" if value is None else str(value)
+        return origin(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config key {name!r}: cannot read {value!r} as {getattr(origin, '__name__', origin)}") from None
+
+
+def _field_types() -> dict:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in fields(TrainConfig)}
+
+
+def _check_known(keys, where: str) -> None:
+    known = _field_types()
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, 1)) else "") for k in unknown]
+        raise ValueError(f"unknown config key(s) in {where}: {', '.join(hints)}")
+
+
+def parse_overrides(argv: list[str]) -> dict:
+    """['--key', 'value', '--flag=value', ...] -> {key: raw value}."""
+    out, i = {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"expected --key value, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ValueError(f"--{key} needs a value")
+            value, i = argv[i + 1], i + 1
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def load_config(path=None, overrides: dict | None = None) -> TrainConfig:
+    """TrainConfig from a YAML file (optional) with `overrides` on top; errors name bad keys."""
+    raw = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys")
+        _check_known(raw, str(path))
+    overrides = overrides or {}
+    _check_known(overrides, "command line")
+    kinds = _field_types()
+    values = {k: _coerce(k, kinds[k], v) for k, v in {**raw, **overrides}.items()}
+    return TrainConfig(**values)
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in fields(config)}
+
+
+def save_config(config: TrainConfig, path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# Keys that must agree between a run and the checkpoint it resumes (anything else, such as
+# max_steps or logging, may change on resume).
+RESUME_KEYS = ("pretrained", "mhla_blocks", "mhla_layers", "mhla_options", "train_mode", "train_qkv",
+               "lora_rank", "lora_alpha", "objective", "distill_output", "distill_layers", "ema_decay",
+               "train_batch_size", "gradient_accumulation_steps", "data_dir", "resolution", "num_frames")
+
+
+def resume_mismatch(config: TrainConfig, saved: dict) -> list[str]:
+    """'key: saved -> now' for each resume-relevant key that differs."""
+    now = to_dict(config)
+    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in RESUME_KEYS if saved.get(k) != now[k]]
+
+
+__all__ = ["TrainConfig", "load_config", "parse_overrides", "save_config", "resume_mismatch", "to_dict"]

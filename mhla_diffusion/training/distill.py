@@ -1,0 +1,55 @@
+"""Distillation from the unconverted model: output MSE and per-layer self-attention output MSE.
+
+The teacher is a frozen copy of the transformer taken *before* conversion, built with
+`copy.deepcopy` whose memo maps every parameter the recipe leaves untouched to itself: those
+tensors are shared with the student, not duplicated (only trained weights are copied).
+Sharing needs plain data parallelism: under FSDP the student's parameters are resharded, so
+the recipe refuses distillation there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from ..families import self_attentions
+
+
+def build_teacher(transformer, shared_ids: set[int], dtype=None):
+    """Frozen copy of the (unconverted) `transformer` sharing the parameters in `shared_ids`."""
+    memo = {pid: p for p in transformer.parameters() if (pid := id(p)) in shared_ids}
+    teacher = copy.deepcopy(transformer, memo)
+    for p in teacher.parameters():
+        if id(p) not in shared_ids:
+            p.requires_grad_(False)
+            if dtype is not None:
+                p.data = p.data.to(dtype)
+    return teacher.eval()
+
+
+class AttentionTap:
+    """Keeps the latest output of each listed self-attention layer (forward hooks on `attn1`)."""
+
+    def __init__(self, transformer, layers: list[int]):
+        self.outputs: dict[int, torch.Tensor] = {}
+        attns = self_attentions(transformer)
+        self.handles = [attns[i].register_forward_hook(self._keep(i)) for i in layers]
+
+    def _keep(self, i):
+        def hook(module, args, output):
+            self.outputs[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+
+def distill_loss(student_out, teacher_out, student_tap: AttentionTap | None, teacher_tap: AttentionTap | None,
+                 w_output: float, w_layers: float) -> dict:
+    """{'distill_output': ..., 'distill_layers': ...} for the terms with non-zero weight (already weighted)."""
+    terms = {}
+    if w_output:
+        terms["distill_output"] = w_output * F.mse_loss(student_out.float(), teacher_out.float())
+    if w_layers:
+        pairs = [(student_tap.outputs[i], teacher_tap.outputs[i]) for i in teacher_tap.outputs]
+        terms["distill_layers"] = w_layers * torch.stack([F.mse_loss(s.float(), t.float()) for s, t in pairs]).mean()
+    return terms

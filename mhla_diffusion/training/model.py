@@ -1,0 +1,111 @@
+"""The model side of a recipe: load, convert, decide what trains, and fold LoRA back in.
+
+LoRA goes in through peft's `inject_adapter_in_model` for every family (DiT has no
+`add_adapter`), so there is one code path; the final save merges it into the base weights so
+`mhla_diffusion.from_pretrained` loads a plain converted model.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .. import persistence
+from ..blocks import auto_blocks
+from ..config import MHLAConfig, parse_blocks
+from ..convert import convert, default_config, mhla_modules
+from ..families import family_of, self_attentions, token_grid
+
+log = logging.getLogger(__name__)
+
+ATTN_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def load_model(config):
+    """(pipeline or None, transformer, family name) from `config.pretrained`, unconverted."""
+    src = config.pretrained
+    if Path(src).exists() and persistence.stored_config(src) is not None:
+        raise ValueError(f"{src} is already converted to MHLA; recipes start from the original model "
+                         "(the recipe converts it, and distillation needs the original attention)")
+    obj = persistence.load(src)
+    transformer = getattr(obj, "transformer", obj)
+    pipe = obj if obj is not transformer else None
+    family = family_of(transformer).name
+    if config.family and config.family != family:
+        raise ValueError(f"config family {config.family!r} does not match {src}, which holds a {family} model "
+                         f"({type(transformer).__name__})")
+    return pipe, transformer, family
+
+
+def mhla_config(transformer, config, latent_shape) -> MHLAConfig:
+    """The family's released MHLA variant with the recipe's overrides and explicit blocks.
+
+    "auto" blocks are resolved from the training latent's token grid now, so every mixing
+    matrix exists before the optimizer is built (no parameters appear at the first forward).
+    """
+    blocks = parse_blocks(config.mhla_blocks)
+    if blocks == "auto":
+        blocks = auto_blocks(token_grid(transformer, torch.empty((1, *latent_shape), device="meta")))
+    options = {**config.mhla_options, "blocks": blocks, "layers": config.mhla_layers}
+    return default_config(transformer, **options)
+
+
+def converted_layers(transformer) -> list[int]:
+    """Indices of the self-attention layers that are MHLA now."""
+    procs = {id(p) for p in mhla_modules(transformer).values()}
+    return [i for i, attn in enumerate(self_attentions(transformer)) if id(attn.processor) in procs]
+
+
+def _self_attention_projection_names(transformer) -> list[str]:
+    names = {id(m): n for n, m in transformer.named_modules()}
+    return [f"{names[id(attn)]}.{p}" for attn in self_attentions(transformer) for p in ATTN_PROJECTIONS]
+
+
+def set_trainable(transformer, config) -> list[torch.nn.Parameter]:
+    """Apply train_mode and return the parameters to optimize (MHLA parameters always train)."""
+    if config.train_mode == "lora":
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = _self_attention_projection_names(transformer)
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, init_lora_weights="gaussian", target_modules=targets)
+        inject_adapter_in_model(lora, transformer)
+    transformer.requires_grad_(config.train_mode == "full")
+    if config.train_mode == "lora":
+        for name, p in transformer.named_parameters():
+            p.requires_grad_("lora_" in name)
+    if config.train_mode == "mhla" and config.train_qkv:
+        for name in _self_attention_projection_names(transformer):
+            transformer.get_submodule(name).requires_grad_(True)
+    for proc in mhla_modules(transformer).values():
+        proc.requires_grad_(True)
+    return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def frozen_parameter_ids(transformer, config) -> set[int]:
+    """Parameters of the *unconverted* transformer that `config` leaves untouched (shareable with a teacher)."""
+    if config.train_mode == "full":
+        return set()
+    trained = set()
+    if config.train_mode == "mhla" and config.train_qkv:
+        trained = {id(p) for n in _self_attention_projection_names(transformer) for p in transformer.get_submodule(n).parameters()}
+    return {id(p) for p in transformer.parameters() if id(p) not in trained}
+
+
+def merge_lora(transformer) -> None:
+    """Fold LoRA adapters into the base weights and put the base layers back, in place."""
+    from peft.tuners.lora import LoraLayer
+
+    lora_layers = [(n, m) for n, m in transformer.named_modules() if isinstance(m, LoraLayer)]
+    for name, module in lora_layers:
+        module.merge()
+        parent_name, _, child = name.rpartition(".")
+        setattr(transformer.get_submodule(parent_name) if parent_name else transformer, child, module.get_base_layer())
+
+
+def convert_model(transformer, mhla: MHLAConfig):
+    convert(transformer, mhla)
+    log.info("converted %d of %d self-attention layers to MHLA (blocks %s)",
+             len(converted_layers(transformer)), len(self_attentions(transformer)), mhla.blocks)
+    return transformer
