@@ -4,9 +4,16 @@ Importing this package does not import diffusers (only loading checkpoints does)
 operator and kernels work on machines without it.
 """
 
-from .blocks import auto_blocks
-from .config import MHLAConfig
-from .conversion import (
+import os as _os
+
+# The Triton kernels live in the repo's top-level kernels/ (a namespace dir, installed as
+# mhla_diffusion/kernels by pyproject); in a source checkout, find them beside this package.
+if _os.path.isdir(_os.path.join(_os.path.dirname(__path__[0]), "kernels")):
+    __path__.append(_os.path.dirname(__path__[0]))
+
+from .blocks import auto_blocks  # noqa: E402
+from .config import MHLAConfig  # noqa: E402
+from .conversion import (  # noqa: E402
     attn_processors,
     convert,
     default_config,
@@ -15,8 +22,8 @@ from .conversion import (
     mhla_processors,
     set_attn_processor,
 )
-from .ops import mhla_attention
-from .persistence import from_pretrained
+from .ops import mhla_attention  # noqa: E402
+from .persistence import from_pretrained  # noqa: E402
 
 __all__ = [
     "MHLAConfig",

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 
@@ -15,29 +12,12 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def _kernels():
-    """`mhla_diffusion.kernels`, also from a source checkout that is not installed.
+    """The Triton entry points (`mhla_diffusion.kernels.op`), imported on first use.
 
-    The package maps the repo's top-level kernels/ to that name (pyproject); with only the
-    checkout on sys.path, load kernels/ under the same name so its relative imports work.
+    kernels/ has no __init__.py on purpose: a source checkout on sys.path must not expose a
+    top-level `kernels` package, which transformers and diffusers would take for the hub's.
     """
-    name = f"{__package__}.kernels"
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name != name:
-            raise
-    path = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
-    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[str(path.parent)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return importlib.import_module(f"{__package__}.kernels.op")
 
 
 def mhla_attention(

@@ -77,18 +77,18 @@ def load(src, torch_dtype=None, **kwargs):
     path = Path(src)
     if path.exists():
         kind = checkpoint_kind(path)
-    elif str(src).count("/") == 1 and not str(src).startswith((".", "/")):
+    elif str(src).count("/") == 1 and not str(src).startswith((".", "/", "~")):
         kind = "pipeline"  # a hub id: diffusers downloads it when online
     else:
-        raise FileNotFoundError(f"{src} is neither a local dir nor a hub id (org/name)")
+        raise FileNotFoundError(f"{src} does not exist (expected a local diffusers dir or a hub id 'org/name')")
     with _quiet_diffusers():
         if kind == "pipeline":
-            return diffusers.DiffusionPipeline.from_pretrained(src, torch_dtype=torch_dtype, **kwargs)
+            return diffusers.DiffusionPipeline.from_pretrained(src, dtype=torch_dtype, **kwargs)
         class_name = json.loads((path / "config.json").read_text())["_class_name"]
         cls = getattr(diffusers, class_name, None)
         if cls is None:
             raise ValueError(f"{path}: model class {class_name} is not in this diffusers version")
-        return cls.from_pretrained(path, torch_dtype=torch_dtype, **kwargs)
+        return cls.from_pretrained(path, dtype=torch_dtype, **kwargs)
 
 
 def _processor_state(tdir: Path) -> dict:

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from ..families import SUPPORTED
 from ..persistence import checkpoint_kind, stored_config, transformer_dir
 
 
@@ -23,6 +24,8 @@ def describe(path) -> dict:
         info["components"] = sorted(k for k, v in index.items() if not k.startswith("_") and v and v[0] is not None)
     cfg = json.loads((tdir / "config.json").read_text())
     info["transformer"] = cfg.get("_class_name")
+    if info["transformer"] not in SUPPORTED.split(", "):
+        raise ValueError(f"{tdir}: unsupported model class {info['transformer']}; supported: {SUPPORTED}")
     config = stored_config(path)
     info["converted"] = config is not None
     if config is not None:

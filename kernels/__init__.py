@@ -1,1 +1,0 @@
-"""Fused Triton kernels for MHLA (installed as `mhla_diffusion.kernels`)."""
