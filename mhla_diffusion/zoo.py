@@ -61,14 +61,19 @@ def _family(name: str) -> str:
     raise ValueError(f"unknown model {name!r}; tiny: {', '.join(TINY)}; real: {', '.join(REAL)}")
 
 
-def build_transformer(name: str, seed: int = 0, **overrides):
-    """A transformer with random weights: a family name gives the tiny config, a REAL key the real one."""
+def build_transformer(name: str, seed: int = 0, device=None, dtype=None, **overrides):
+    """A transformer with random weights: a family name gives the tiny config, a REAL key the real one.
+
+    `device` builds the weights there directly (a 14B model initialised on the CPU takes minutes).
+    """
     import diffusers
 
     family = _family(name)
     config = {**(TINY[name] if name in TINY else REAL[name][1]), **overrides}
     torch.manual_seed(seed)
-    return getattr(diffusers, CLASSES[family])(**config).eval()
+    with torch.device(device or "cpu"):
+        model = getattr(diffusers, CLASSES[family])(**config)
+    return model.to(dtype=dtype).eval()
 
 
 def tiny_tokenizer():

@@ -1,0 +1,130 @@
+"""`mhla-diffusion bench model`: a real-size transformer (random weights, bf16), original
+attention vs MHLA (all layers and hybrid), one forward and one CFG denoising step, peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+# (latent channels, spatial VAE factor, temporal VAE factor or None for images, default resolution)
+LATENTS = {
+    "dit-xl-2": (4, 8, None, "512"),
+    "pixart-sigma": (4, 8, None, "1024"),
+    "sana-1.6b": (32, 32, None, "4096"),
+    "wan2.1-1.3b": (16, 8, 4, "480p"),
+    "wan2.1-14b": (16, 8, 4, "720p"),
+}
+VIDEO_SIZES = {"480p": (480, 832), "720p": (720, 1280)}
+TEXT = {"pixart-sigma": (300, 4096), "sana-1.6b": (300, 2304), "wan2.1-1.3b": (512, 4096), "wan2.1-14b": (512, 4096)}
+
+
+def latent_shape(family: str, resolution: str, frames: int) -> tuple:
+    channels, f, ft, _ = LATENTS[family]
+    h, w = VIDEO_SIZES.get(resolution) or (int(resolution), int(resolution))
+    if h % f or w % f:
+        raise ValueError(f"resolution {resolution} is not a multiple of the VAE factor {f}")
+    if ft is None:
+        return (channels, h // f, w // f)
+    if (frames - 1) % ft:
+        raise ValueError(f"--frames must be 4k+1 for Wan (e.g. 81), got {frames}")
+    return (channels, (frames - 1) // ft + 1, h // f, w // f)
+
+
+def model_inputs(family: str, latent: tuple, batch: int, device, dtype) -> dict:
+    x = torch.randn(batch, *latent, device=device, dtype=dtype)
+    t = torch.full((batch,), 500, device=device, dtype=torch.long)
+    if family == "dit-xl-2":
+        return dict(hidden_states=x, timestep=t, class_labels=torch.zeros(batch, dtype=torch.long, device=device))
+    n, d = TEXT[family]
+    ctx = torch.randn(batch, n, d, device=device, dtype=dtype)
+    kw = dict(hidden_states=x, timestep=t, encoder_hidden_states=ctx)
+    if family == "pixart-sigma":
+        kw["added_cond_kwargs"] = {"resolution": None, "aspect_ratio": None}
+    return kw
+
+
+def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
+    """Median milliseconds of `fn` and its peak memory in GB."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 1e9
+
+
+def run_model(args) -> int:
+    from ..conversion import attn_processors, convert, default_config, set_attn_processor
+    from ..zoo import build_transformer
+
+    if not torch.cuda.is_available():
+        raise ValueError("bench model needs a CUDA GPU")
+    family = args.family
+    resolution = args.resolution or LATENTS[family][3]
+    latent = latent_shape(family, resolution, args.frames)
+    t0 = time.perf_counter()
+    model = build_transformer(family, device="cuda", dtype=torch.bfloat16)
+    original = attn_processors(model)
+    variants = [("original", None)] + [(f"mhla-{lay}", lay) for lay in args.layers]
+    rows = []
+    for name, layers in variants:
+        set_attn_processor(model, dict(original))
+        if layers is not None:
+            convert(model, default_config(model, layers="all" if layers == "all" else "hybrid:3"))
+        fwd = torch.compile(model) if args.compile else model
+        for batch, what in ((1, "forward"), (2, "CFG step (batch 2)")):
+            if what.startswith("CFG") and args.no_cfg:
+                continue
+            inputs = model_inputs(family, latent, batch, "cuda", torch.bfloat16)
+            with torch.inference_mode():
+                ms, gb = timed(lambda: fwd(**inputs, return_dict=False), args.warmup, args.iters)
+            rows.append(dict(family=family, resolution=resolution, frames=args.frames if len(latent) == 4 else 1,
+                             tokens=_tokens(model, latent), attention=name, what=what, compile=args.compile,
+                             ms=round(ms, 2), peak_gb=round(gb, 2)))
+            print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
+        del fwd
+        torch.cuda.empty_cache()
+    base = {r["what"]: r["ms"] for r in rows if r["attention"] == "original"}
+    for r in rows:
+        r["speedup"] = round(base[r["what"]] / r["ms"], 2)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"\n{family} {resolution} latent {latent}, {rows[0]['tokens']} tokens, bf16, "
+              f"{torch.cuda.get_device_name()}, {time.perf_counter() - t0:.0f}s")
+        print("| attention | what | ms | speedup | peak GB |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['attention']}{' (compiled)' if r['compile'] else ''} | {r['what']} | {r['ms']} | {r['speedup']}x | {r['peak_gb']} |")
+    return 0
+
+
+def _tokens(model, latent) -> int:
+    patch = model.config.patch_size
+    patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1, patch, patch)
+    dims = latent[1:] if len(latent) == 4 else (1, *latent[1:])
+    return dims[0] // patch[0] * (dims[1] // patch[1]) * (dims[2] // patch[2])
+
+
+def register_model_command(commands) -> None:
+    p = commands.add_parser("model", help="real-size transformer: original attention vs MHLA, forward and CFG step",
+                            description="Random weights in bf16 on the GPU; no download.")
+    p.add_argument("--family", required=True, choices=list(LATENTS))
+    p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p or 720p for Wan (default per family)")
+    p.add_argument("--frames", type=int, default=81, help="video frames (Wan), 4k+1")
+    p.add_argument("--layers", nargs="+", default=["all", "hybrid"], choices=["all", "hybrid"], help="MHLA variants to time (hybrid: every 3rd layer keeps softmax)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
+    p.add_argument("--no-cfg", action="store_true", help="skip the batch-2 CFG step")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_model)
