@@ -1,7 +1,9 @@
 """FID with torchmetrics' FrechetInceptionDistance: against an image folder or (mu, sigma) stats.
 
 Precomputed stats (ADM / clean-fid `.npz` with `mu`, `sigma`, optional `n`) are loaded by
-setting the metric's float64 real-side sums so that its own compute() recovers mu and sigma.
+setting the metric's float64 real-side sums so that mu and sigma come back exactly. The
+distance itself is computed from the metric's states by `frechet_distance` (same value as
+compute(), several times faster at 2048-d).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from tqdm.auto import tqdm
 
 from . import images, inception
 
-# FID depends only on (mu, sigma): compute() recovers both exactly for any n >= 2. n only
+# FID depends only on (mu, sigma): the states give both back exactly for any n >= 2. n only
 # labels the stats; when an .npz lacks it we assume the FID-50K convention.
 DEFAULT_REFERENCE_N = 50_000
 
@@ -88,12 +90,25 @@ def set_real_stats(metric, stats: FeatureStats) -> None:
     metric.real_features_num_samples = torch.tensor(stats.n, dtype=torch.long, device=device)
 
 
-def real_stats(metric) -> FeatureStats:
-    """The (mu, sigma, n) of the images fed to the real side."""
-    n = int(metric.real_features_num_samples)
-    mu = metric.real_features_sum / n
-    sigma = (metric.real_features_cov_sum - n * torch.outer(mu, mu)) / (n - 1)
+def side_stats(metric, real: bool) -> FeatureStats:
+    """The (mu, sigma, n) of the images fed to one side of `metric`."""
+    side = "real" if real else "fake"
+    n = int(getattr(metric, f"{side}_features_num_samples"))
+    mu = getattr(metric, f"{side}_features_sum") / n
+    sigma = (getattr(metric, f"{side}_features_cov_sum") - n * torch.outer(mu, mu)) / (n - 1)
     return FeatureStats(mu.cpu().numpy(), sigma.cpu().numpy(), n)
+
+
+def frechet_distance(a: FeatureStats, b: FeatureStats) -> float:
+    """|mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2), with tr (S_a S_b)^1/2 taken from the
+    symmetric S_a^1/2 S_b S_a^1/2 (same eigenvalues). Two eigh calls instead of torchmetrics'
+    general eigvals: at 2048-d on CPU about 5 s instead of 40 s, and no complex round-off."""
+    mu_a, mu_b, s_a, s_b = (torch.as_tensor(x, dtype=torch.float64) for x in (a.mu, b.mu, a.sigma, b.sigma))
+    w, v = torch.linalg.eigh(s_a)
+    root_a = (v * w.clamp_min(0).sqrt()) @ v.T
+    inner = root_a @ s_b @ root_a
+    trace_sqrt = torch.linalg.eigvalsh((inner + inner.T) / 2).clamp_min(0).sqrt().sum()
+    return float((mu_a - mu_b).square().sum() + s_a.trace() + s_b.trace() - 2 * trace_sqrt)
 
 
 def check_count(n: int, what: str) -> None:
@@ -107,7 +122,7 @@ def folder_stats(folder, feature=None, inception_weights=None, batch_size: int =
     check_count(len(paths), f"reference folder {folder}")
     metric = make_metric(feature, inception_weights, device)
     add_images(metric, paths, real=True, batch_size=batch_size, desc="reference" if progress else None)
-    return real_stats(metric)
+    return side_stats(metric, real=True)
 
 
 def load_reference(metric, reference, batch_size: int = 50, progress: bool = False) -> int:
@@ -133,4 +148,4 @@ def fid(fake_paths, reference, feature=None, inception_weights=None, batch_size:
     metric = make_metric(feature, inception_weights, device)
     n_ref = load_reference(metric, reference, batch_size, progress)
     add_images(metric, list(fake_paths), real=False, batch_size=batch_size, desc="samples" if progress else None)
-    return float(metric.compute()), n_ref
+    return frechet_distance(side_stats(metric, real=True), side_stats(metric, real=False)), n_ref

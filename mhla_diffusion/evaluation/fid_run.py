@@ -36,10 +36,10 @@ def run_fid(model, reference, out, num_samples: int, settings: SamplingSettings,
     from accelerate import PartialState
 
     fidlib.check_count(num_samples, "the generated set")
-    if feature is None:
-        inception_weights = inception.weights_path(inception_weights)  # fail before hours of sampling
     if not Path(reference).exists():
         raise FileNotFoundError(f"reference {reference} not found: give an image folder or an .npz with mu and sigma")
+    if feature is None:
+        inception_weights = inception.weights_path(inception_weights)  # fail before hours of sampling
     state = PartialState()
     out = Path(out)
     store = SampleStore(out / "samples")
