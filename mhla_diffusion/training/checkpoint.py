@@ -59,7 +59,7 @@ def read_progress(path: Path) -> dict:
     return json.loads((path / "progress.json").read_text())
 
 
-def save_checkpoint(accelerator, config, step: int, batches_per_epoch: int) -> Path:
+def save_checkpoint(accelerator, config, step: int, steps_per_epoch: int) -> Path:
     """Save state for `step`, keeping at most `checkpoints_total_limit` checkpoints."""
     root = checkpoints_dir(config)
     if accelerator.is_main_process and config.checkpoints_total_limit > 0:
@@ -69,8 +69,8 @@ def save_checkpoint(accelerator, config, step: int, batches_per_epoch: int) -> P
     path = root / f"{PREFIX}{step}"
     accelerator.save_state(str(path))  # collective: every rank takes part
     if accelerator.is_main_process:
-        consumed = step * config.gradient_accumulation_steps
-        progress = {"step": step, "epoch": consumed // batches_per_epoch, "batches_in_epoch": consumed % batches_per_epoch}
+        progress = {"step": step, "epoch": step // steps_per_epoch,
+                    "batches_in_epoch": (step % steps_per_epoch) * config.gradient_accumulation_steps}
         (path / "train_config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         (path / "progress.json").write_text(json.dumps(progress))  # last: marks the checkpoint complete
     accelerator.wait_for_everyone()

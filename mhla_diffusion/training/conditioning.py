@@ -29,13 +29,16 @@ def vae_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     dist = getattr(enc, "latent_dist", None)
     mean, std = (dist.mean, dist.std) if dist is not None else (enc.latent, None)
     shift, scale = _latent_norm(vae, mean)
-    mean = ((mean - shift) * scale).float()
-    return mean, None if std is None else (std * scale).float()
+    mean = ((mean - shift) * scale).float().contiguous()
+    return mean, None if std is None else (std * scale).float().contiguous()
 
 
 def draw_latents(mean: torch.Tensor, std: torch.Tensor | None) -> torch.Tensor:
-    """A sample of the VAE posterior (as upstream training does), from the global RNG."""
-    return mean if std is None else mean + std * torch.randn_like(std)
+    """A sample of the VAE posterior (as upstream training does), from the global RNG.
+
+    `randn` of the shape, not `randn_like`: the latter follows the input's strides, so a
+    non-contiguous posterior (raw data) and a stored one (cache) would draw different noise."""
+    return mean if std is None else mean + std * torch.randn(std.shape, dtype=std.dtype, device=std.device)
 
 
 def default_max_sequence_length(pipe) -> int:

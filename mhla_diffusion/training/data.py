@@ -63,6 +63,8 @@ def read_metadata(root: Path) -> list[dict]:
 class SkippingDataset(Dataset):
     """Base: `load(i)` may raise; `__getitem__` then moves on to the next sample and counts it."""
 
+    warned: set  # indices already reported, set by subclasses
+
     def __len__(self):
         return len(self.items)
 
@@ -76,7 +78,9 @@ class SkippingDataset(Dataset):
                 return sample
             except Exception as err:  # noqa: BLE001 - any unreadable file is skipped, whatever the decoder raises
                 skipped += 1
-                log.warning("skipping unreadable %s: %s", self.items[i]["file"], err)
+                if i not in self.warned:  # once per file, not once per epoch
+                    self.warned.add(i)
+                    log.warning("skipping unreadable %s: %s", self.items[i]["file"], err)
         raise RuntimeError(f"{MAX_SKIP} consecutive unreadable files from index {index} in {self.root}: check the data")
 
 
@@ -84,7 +88,7 @@ class ImageFolder(SkippingDataset):
     """Images with class subfolders (labels) or metadata.jsonl (captions)."""
 
     def __init__(self, root, resolution):
-        self.root, self.size = Path(root), tuple(resolution)
+        self.root, self.size, self.warned = Path(root), tuple(resolution), set()
         if (self.root / METADATA).is_file():
             self.items = [{"file": self.root / r["file"], "caption": r["caption"]} for r in read_metadata(self.root)]
             self.classes = None
@@ -128,7 +132,7 @@ class VideoFolder(SkippingDataset):
     """Captioned clips: (3, F, H, W) in [-1, 1] from mp4 files or folders of frames."""
 
     def __init__(self, root, resolution, num_frames):
-        self.root, self.size, self.num_frames = Path(root), tuple(resolution), num_frames
+        self.root, self.size, self.num_frames, self.warned = Path(root), tuple(resolution), num_frames, set()
         if not (self.root / METADATA).is_file():
             raise ValueError(f"{self.root} has no {METADATA}: a video folder needs one line per clip, "
                              '{"file_name": "clip.mp4" or "frames_dir", "text": "caption"}')
@@ -206,3 +210,13 @@ def collate(samples: list[dict]) -> dict:
         else:
             batch[key] = values
     return batch
+
+
+def check_cache(info: dict, config, family: str) -> None:
+    """A latent cache must come from the same model family, resolution and clip length."""
+    want = {"family": family, "resolution": list(config.resolution)}
+    if info.get("video"):
+        want["num_frames"] = config.num_frames
+    diff = [f"{k}: cache {info.get(k)!r}, config {v!r}" for k, v in want.items() if info.get(k) != v]
+    if diff:
+        raise ValueError(f"latent cache does not match this recipe ({'; '.join(diff)}); rerun recipes/precompute.py")

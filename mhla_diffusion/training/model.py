@@ -15,7 +15,7 @@ import torch
 from .. import persistence
 from ..blocks import auto_blocks
 from ..config import MHLAConfig, parse_blocks
-from ..convert import convert, default_config, mhla_modules
+from ..conversion import convert, default_config, mhla_modules
 from ..families import family_of, self_attentions, token_grid
 
 log = logging.getLogger(__name__)
@@ -109,3 +109,18 @@ def convert_model(transformer, mhla: MHLAConfig):
     log.info("converted %d of %d self-attention layers to MHLA (blocks %s)",
              len(converted_layers(transformer)), len(self_attentions(transformer)), mhla.blocks)
     return transformer
+
+
+def save_trained(out: Path, transformer, state_dict: dict, pipe=None) -> None:
+    """Write the trained model where `mhla_diffusion.from_pretrained` loads it: the whole
+    pipeline when there is one, the transformer from `state_dict` (gathered under FSDP)."""
+    out = Path(out)
+    if pipe is None:
+        transformer.save_pretrained(out, state_dict=state_dict)
+        return
+    pipe.save_config(out)  # model_index.json
+    for name, component in pipe.components.items():
+        if name == "transformer":
+            transformer.save_pretrained(out / name, state_dict=state_dict)
+        elif hasattr(component, "save_pretrained"):
+            component.save_pretrained(out / name)

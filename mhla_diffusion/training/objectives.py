@@ -76,7 +76,7 @@ class DDPMObjective:
 
     def noisy(self, x0: torch.Tensor) -> NoisyBatch:
         t = torch.randint(0, self.num_timesteps, (x0.shape[0],), device=x0.device)
-        noise = torch.randn_like(x0)
+        noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device)  # not randn_like: layout-independent
         xt = self._at("sqrt_ab", t, x0) * x0 + self._at("sqrt_1m_ab", t, x0) * noise
         return NoisyBatch(xt, t, noise, x0, t)
 
@@ -112,7 +112,7 @@ class FlowMatchingObjective:
     def noisy(self, x0: torch.Tensor) -> NoisyBatch:
         u = torch.sigmoid(torch.randn(x0.shape[0], device=x0.device) * self.logit_std + self.logit_mean)
         sigma = self.shift * u / (1 + (self.shift - 1) * u)
-        noise = torch.randn_like(x0)
+        noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device)  # not randn_like: layout-independent
         s = _bcast(sigma, x0)
         return NoisyBatch((1 - s) * x0 + s * noise, sigma * self.num_train_timesteps, noise - x0, x0, sigma)
 

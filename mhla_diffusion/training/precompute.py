@@ -1,0 +1,92 @@
+"""Encode a dataset once (VAE posterior + text embeddings or labels) into a latent cache.
+
+Training from the cache then skips the VAE and the text encoder. Every process of an
+`accelerate launch` encodes its own slice (sample i goes to rank i % world), one
+.safetensors file per sample named by its index; unreadable files are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, Dataset
+
+from .. import persistence
+from ..families import family_by_name
+from . import conditioning
+from .data import CACHE_INDEX, build_dataset, collate
+from .families import recipe_for
+
+log = logging.getLogger(__name__)
+
+
+class Readable(Dataset):
+    """Samples `indices` of a raw dataset; an unreadable file yields None instead of a substitute."""
+
+    def __init__(self, dataset, indices):
+        self.dataset, self.indices = dataset, list(indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        index = self.indices[i]
+        try:
+            return {"index": index, **self.dataset.load(index)}
+        except Exception as err:  # noqa: BLE001 - whatever the decoder raises, the file is skipped
+            log.warning("skipping unreadable %s: %s", self.dataset.items[index]["file"], err)
+            return None
+
+
+def collate_readable(samples):
+    good = [s for s in samples if s is not None]
+    batch = collate(good) if good else {}
+    batch["unreadable"] = len(samples) - len(good)
+    return batch
+
+
+def precompute(config, out_dir, accelerator) -> dict:
+    """Write this process's share of the cache; the main process writes cache.json at the end."""
+    from diffusers import DiffusionPipeline
+
+    family = family_by_name(DiffusionPipeline.load_config(config.pretrained)["transformer"][1]).name
+    pipe = persistence.load(config.pretrained, transformer=None)  # the transformer is not needed
+    if config.family and config.family != family:
+        raise ValueError(f"config family {config.family!r} does not match {config.pretrained} ({family})")
+    recipe = recipe_for(family)
+    data_type = "videos" if recipe.video else "images"
+    dataset = build_dataset(data_type, config.data_dir, config.resolution, config.num_frames)
+    out = Path(out_dir)
+    if (out / CACHE_INDEX).exists():
+        raise FileExistsError(f"{out} already holds a latent cache; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    device = accelerator.device
+    pipe.vae.to(device)
+    if recipe.text:
+        pipe.text_encoder.to(device)
+    shard = Readable(dataset, range(accelerator.process_index, len(dataset), accelerator.num_processes))
+    loader = DataLoader(shard, batch_size=config.train_batch_size, num_workers=config.num_workers, collate_fn=collate_readable)
+    written, unreadable = 0, 0
+    for batch in loader:
+        unreadable += batch.pop("unreadable")
+        if not batch:
+            continue
+        encoded = conditioning.encode_batch(batch, pipe, recipe.text, config.max_sequence_length, device)
+        for j, index in enumerate(batch["index"].tolist()):
+            sample = {k: v[j].contiguous().cpu() for k, v in encoded.items()}
+            save_file(sample, str(out / f"{index:09d}.safetensors"))
+            written += 1
+    counts = accelerator.reduce(torch.tensor([written, unreadable], device=device), "sum").tolist()
+    info = {"family": family, "pretrained": str(config.pretrained), "resolution": list(config.resolution),
+            "video": recipe.video, "latent_shape": conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, recipe.video),
+            "samples": counts[0], "unreadable": counts[1]}
+    if recipe.video:
+        info["num_frames"] = config.num_frames
+    if accelerator.is_main_process:
+        (out / CACHE_INDEX).write_text(json.dumps(info, indent=1))  # last: marks the cache complete
+    accelerator.wait_for_everyone()
+    return info

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Fine-tune a pretrained diffusers transformer converted to MHLA.
+
+    accelerate launch recipes/train.py --config recipes/configs/wan21_t2v_1_3b.yaml [--key value ...]
+
+Loads the original model, converts its self-attention (all layers, a list, or hybrid), and
+trains it with the family's upstream objective (DDPM + learned variance for DiT/PixArt, flow
+matching for SANA/Wan), optionally distilling from the unconverted model. Every random draw of
+step k comes from a seed of (seed, k, micro-batch, rank), so a resumed run continues exactly as
+an uninterrupted one would. Helpers live in mhla_diffusion.training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, ProjectConfiguration
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import EMAModel
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from mhla_diffusion.training import checkpoint, conditioning, data, distill, model, objectives, validation
+from mhla_diffusion.training.config import load_config, parse_overrides, save_config
+from mhla_diffusion.training.families import model_output, recipe_for, transformer_inputs
+
+log = logging.getLogger("mhla_diffusion.train")
+WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1)[0])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="recipe YAML; any other --key value overrides one of its keys")
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_config(args.config, parse_overrides(rest))
+    resume_from = checkpoint.find_resume(cfg)  # a mismatching checkpoint fails before anything loads
+
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps, sync_with_dataloader=False),
+        log_with="tensorboard",
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=str(Path(cfg.output_dir) / "logs")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+    )
+    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp and (cfg.distill_output or cfg.distill_layers or cfg.ema_decay or cfg.validation_steps or cfg.train_mode == "lora"):
+        raise ValueError("under FSDP the recipe supports full/mhla training without distillation, EMA, LoRA or validation samples")
+    torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
+    torch.manual_seed(cfg.seed)
+    weight_dtype = WEIGHT_DTYPES[cfg.mixed_precision]
+    device = accelerator.device
+
+    # --- model and data (every input check happens here, before training starts)
+    pipe, transformer, family = model.load_model(cfg)
+    recipe = recipe_for(family)
+    validation.check_validation(cfg, family)
+    data_type = cfg.data_type if cfg.data_type != "auto" else data.detect_data_type(cfg.data_dir, recipe.video)
+    dataset = data.build_dataset(data_type, cfg.data_dir, cfg.resolution, cfg.num_frames)
+    cached = data_type == "latents"
+    if cached:
+        data.check_cache(dataset.info, cfg, family)
+        latent_shape = tuple(dataset.info["latent_shape"])
+    elif pipe is None:
+        raise ValueError(f"{cfg.pretrained} is a bare transformer: raw images/videos need its pipeline (VAE, text encoder)")
+    else:
+        latent_shape = conditioning.latent_shape(pipe.vae, cfg.resolution, cfg.num_frames, recipe.video)
+    if len(dataset) < cfg.train_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes:
+        raise ValueError(f"{len(dataset)} samples in {cfg.data_dir} are fewer than one optimizer step consumes")
+
+    distilling = bool(cfg.distill_output or cfg.distill_layers)
+    teacher = None
+    if distilling:
+        teacher = distill.build_teacher(transformer, model.frozen_parameter_ids(transformer, cfg), weight_dtype).to(device)
+    model.convert_model(transformer, model.mhla_config(transformer, cfg, latent_shape))
+    params = model.set_trainable(transformer, cfg)
+    transformer.train()
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    taps = None
+    if cfg.distill_layers:
+        layers = model.converted_layers(transformer)
+        taps = (distill.AttentionTap(transformer, layers), distill.AttentionTap(teacher, layers))
+    scheduler_config = pipe.scheduler.config if pipe is not None else None
+    objective = objectives.build_objective(cfg.objective if cfg.objective != "auto" else recipe.objective, transformer, scheduler_config, cfg)
+    if pipe is not None and (not cached or cfg.validation_steps):
+        pipe.vae.to(device)
+        if recipe.text:
+            pipe.text_encoder.to(device, dtype=weight_dtype)
+
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)
+    lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps * accelerator.num_processes,
+                                 num_training_steps=cfg.max_steps * accelerator.num_processes)
+    loader = DataLoader(dataset, batch_size=cfg.train_batch_size, shuffle=True, drop_last=True,
+                        num_workers=cfg.num_workers, collate_fn=data.collate)
+    transformer, optimizer, loader, lr_scheduler = accelerator.prepare(transformer, optimizer, loader, lr_scheduler)
+    ema = None
+    if cfg.ema_decay:
+        ema = EMAModel(params, decay=cfg.ema_decay)
+        ema.to(device)
+        accelerator.register_for_checkpointing(ema)
+    steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ValueError("each process gets fewer batches per epoch than gradient_accumulation_steps")
+
+    # --- resume
+    global_step, epoch, skip = 0, 0, 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        progress = checkpoint.read_progress(resume_from)
+        global_step, epoch, skip = progress["step"], progress["epoch"], progress["batches_in_epoch"]
+        log.info("resumed from %s at step %d (epoch %d, skipping %d batches)", resume_from, global_step, epoch, skip)
+    if accelerator.is_main_process:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, Path(cfg.output_dir) / "train_config.yaml")
+        accelerator.init_trackers("mhla", config={k: str(v) for k, v in vars(cfg).items()})
+
+    def losses_of(batch):
+        if not cached:
+            batch.update(conditioning.encode_batch(batch, pipe, recipe.text, cfg.max_sequence_length, device))
+        x0 = conditioning.draw_latents(batch["latents_mean"], batch.get("latents_std"))
+        noisy = objective.noisy(x0)
+        inputs = transformer_inputs(family, accelerator.unwrap_model(transformer), noisy.model_input, noisy.timestep, batch)
+        out = model_output(transformer(**inputs, return_dict=False))
+        losses = {"diffusion": objective.loss(out, noisy)}
+        if teacher is not None:
+            with torch.no_grad(), accelerator.autocast():
+                teacher_out = model_output(teacher(**inputs, return_dict=False))
+            losses.update(distill.distill_loss(out, teacher_out, *(taps or (None, None)), cfg.distill_output, cfg.distill_layers))
+        return losses
+
+    # --- loop
+    bar = tqdm(total=cfg.max_steps, initial=global_step, desc="steps", disable=not accelerator.is_local_main_process)
+    logged, skipped = {}, torch.zeros((), device=device)
+    while global_step < cfg.max_steps:
+        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+        batches.set_epoch(epoch)  # the shuffle order is a function of (seed, epoch)
+        n_batches = steps_per_epoch * cfg.gradient_accumulation_steps - skip  # whole optimizer steps only
+        for micro, batch in enumerate(itertools.islice(batches, n_batches)):
+            torch.manual_seed(step_seed(cfg.seed, global_step, micro % cfg.gradient_accumulation_steps, accelerator.process_index))
+            skipped += batch.pop("skipped")
+            with accelerator.accumulate(transformer):
+                losses = losses_of(batch)
+                loss = sum(losses.values())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(transformer.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            for k, v in {"loss": loss, **losses}.items():
+                logged[k] = logged.get(k, 0.0) + v.detach() / cfg.gradient_accumulation_steps
+            if not accelerator.sync_gradients:
+                continue
+            global_step += 1
+            bar.update(1)
+            if ema is not None:
+                ema.step(params)
+            if global_step % cfg.log_every == 0 or global_step == cfg.max_steps:
+                scalars = {k: accelerator.reduce(v, "mean").item() for k, v in logged.items()}
+                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": accelerator.reduce(skipped, "sum").item()})
+                accelerator.log(scalars, step=global_step)
+                bar.set_postfix(loss=f"{scalars['loss']:.4f}")
+            logged = {}
+            if global_step % cfg.checkpointing_steps == 0 or global_step == cfg.max_steps:
+                checkpoint.save_checkpoint(accelerator, cfg, global_step, steps_per_epoch)
+            if cfg.validation_steps and global_step % cfg.validation_steps == 0 and accelerator.is_main_process:
+                with validation.ema_weights(ema, params):
+                    files = validation.sample(pipe, accelerator.unwrap_model(transformer), family, cfg, global_step)
+                log.info("step %d: wrote %d validation samples to %s", global_step, len(files), files[0].parent)
+            if global_step >= cfg.max_steps:
+                break
+        epoch, skip = epoch + 1, 0
+    bar.close()
+
+    # --- final save, loadable with mhla_diffusion.from_pretrained
+    accelerator.wait_for_everyone()
+    final = accelerator.unwrap_model(transformer)
+    if ema is not None:
+        ema.copy_to(params)
+    if cfg.train_mode == "lora":
+        model.merge_lora(final)
+    state = accelerator.get_state_dict(transformer)
+    if accelerator.is_main_process:
+        out = Path(cfg.output_dir) / "final"
+        model.save_trained(out, final, state, pipe)
+        log.info("saved the trained model to %s (load with mhla_diffusion.from_pretrained)", out)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
