@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from .reference import check_inputs, feature_map, mhla_attention_reference
@@ -17,7 +15,9 @@ def _kernels():
     kernels/ has no __init__.py on purpose: a source checkout on sys.path must not expose a
     top-level `kernels` package, which transformers and diffusers would take for the hub's.
     """
-    return importlib.import_module(f"{__package__}.kernels.op")
+    from .kernels import op  # a plain import statement: torch.compile traces it, import_module it refuses
+
+    return op
 
 
 def mhla_attention(

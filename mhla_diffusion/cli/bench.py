@@ -1,6 +1,6 @@
 """`mhla-diffusion bench`: speed measurements. A command group; `op` times the attention operator.
 
-Further benchmarks register beside `op` through `register_bench_command`.
+Each benchmark is a `register_*_command(commands)` function adding its subcommand to the group.
 """
 
 from __future__ import annotations
@@ -8,19 +8,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import importlib
 from dataclasses import dataclass
 
 import torch
+
+from .bench_model import register_model_command
 
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure speed on this machine's GPU")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
-    register_bench_command(commands)
+    register_op_command(commands)
+    register_model_command(commands)
 
 
-def register_bench_command(commands) -> None:
+def register_op_command(commands) -> None:
     op = commands.add_parser(
         "op",
         help="time MHLA (Triton, PyTorch reference) against SDPA and the memory floor",
@@ -63,14 +65,18 @@ def _copy_bandwidth(do_bench) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def _time_op(do_bench, fn, leaves, do, backward: bool) -> float:
+def _time_op(bench, fn, leaves, do, backward: bool) -> float:
     if not backward:
         with torch.no_grad():
-            return do_bench(lambda: fn(*leaves), return_mode="median")
-    return do_bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
+            return bench(lambda: fn(*leaves), return_mode="median")
+    return bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
 
 
-def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, do_bench) -> dict:
+def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float) -> dict:
+    """Eager times of SDPA, the reference and Triton; Triton also replayed from a CUDA graph (GPU time
+    alone, as under torch.compile with CUDA graphs), since eager calls can be bound by Python launch cost."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
     from ..blocks import locality_mix, resolve_blocks
     from ..ops import mhla_attention
 
@@ -95,34 +101,38 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
         for backward, key in ((False, "fwd"), (True, "fwdbwd")):
             row[f"{name}_{key}_ms"] = _time_op(do_bench, fn, leaves, do, backward)
             torch.cuda.empty_cache()
-    row["triton_fwd_floor_frac"] = row["floor_fwd_ms"] / row["triton_fwd_ms"]
-    row["triton_fwdbwd_floor_frac"] = row["floor_fwdbwd_ms"] / row["triton_fwdbwd_ms"]
+    for backward, key in ((False, "fwd"), (True, "fwdbwd")):
+        try:
+            row[f"triton_graph_{key}_ms"] = _time_op(do_bench_cudagraph, mhla("triton"), leaves, do, backward)
+        except RuntimeError as err:  # capture refused: report it, keep the eager numbers
+            row[f"triton_graph_{key}_ms"], row["graph_error"] = math.nan, str(err).splitlines()[0]
+        row[f"triton_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_{key}_ms"]
+        row[f"triton_graph_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_graph_{key}_ms"]
     return row
 
 
 def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: int) -> str:
     lines = [
-        f"{device}, {dtype}, B = {batch}, medians of triton.testing.do_bench in ms; copy bandwidth "
-        f"{bandwidth / 1e12:.2f} TB/s. floor: read q, k, v and write o once (fwd); plus read q, k, v, dO and write "
-        "dq, dk, dv (fwd+bwd). % floor = floor / Triton time.",
+        f"{device}, {dtype}, B = {batch}, medians of triton.testing.do_bench in ms (graph: do_bench_cudagraph, "
+        f"GPU time without Python launch cost); copy bandwidth {bandwidth / 1e12:.2f} TB/s. floor: read q, k, v "
+        "and write o once (fwd); plus read q, k, v, dO and write dq, dk, dv (f+b). %: floor / Triton (eager, graph).",
         "",
-        "| shape | N | heads x D | blocks (M) | floor fwd | SDPA fwd | torch fwd | Triton fwd | % floor "
-        "| floor f+b | SDPA f+b | torch f+b | Triton f+b | % floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | N | heads x D | blocks (M) | floor fwd | SDPA fwd | torch fwd | Triton fwd | graph | % "
+        "| floor f+b | SDPA f+b | torch f+b | Triton f+b | graph | % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         blocks = f"{'x'.join(map(str, r['blocks']))} ({r['M']}, {r['blocks_chosen']})"
-        lines.append(
-            f"| {r['shape']} | {r['N']:,} | {r['heads']} x {r['D']} | {blocks} | {r['floor_fwd_ms']:.3f} "
-            f"| {r['sdpa_fwd_ms']:.3f} | {r['torch_fwd_ms']:.3f} | {r['triton_fwd_ms']:.3f} "
-            f"| {100 * r['triton_fwd_floor_frac']:.0f}% | {r['floor_fwdbwd_ms']:.3f} | {r['sdpa_fwdbwd_ms']:.3f} "
-            f"| {r['torch_fwdbwd_ms']:.3f} | {r['triton_fwdbwd_ms']:.3f} | {100 * r['triton_fwdbwd_floor_frac']:.0f}% |"
-        )
+        cells = [r["shape"], f"{r['N']:,}", f"{r['heads']} x {r['D']}", blocks]
+        for key in ("fwd", "fwdbwd"):
+            cells += [f"{r[f'{name}_{key}_ms']:.3f}" for name in ("floor", "sdpa", "torch", "triton", "triton_graph")]
+            cells.append(f"{100 * r[f'triton_{key}_floor_frac']:.0f}, {100 * r[f'triton_graph_{key}_floor_frac']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _check_table(results: list[dict]) -> str:
-    lines = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | ok |", "|---" * 11 + "|"]
     for r in results:
         e = r["errors"]
         errs = " | ".join(f"{e[x]:.1e}" for x in ("o", "dq", "dk", "dv", "dmix"))
@@ -136,16 +146,15 @@ def run_op(args: argparse.Namespace) -> int:
         raise ValueError("bench op needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from ..ops import _kernels
-
     dtype = getattr(torch, args.dtype)
     report = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch}
     if args.check:
-        check = importlib.import_module(f"{_kernels().__name__}.check")
-        report["check"] = check.run_checks()
+        from ..kernels.check import run_checks
+
+        report["check"] = run_checks()
     report["bandwidth_Bps"] = bandwidth = _copy_bandwidth(do_bench)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
-    report["rows"] = [bench_shape(s, dtype, args.batch, bandwidth, do_bench) for s in shapes]
+    report["rows"] = [bench_shape(s, dtype, args.batch, bandwidth) for s in shapes]
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -1,0 +1,88 @@
+"""GPU correctness of the Triton path at real sizes, against the reference in fp64.
+
+Run through `mhla-diffusion bench op --check`. For each case: fresh random inputs, output and
+gradient buffers poisoned with NaN beforehand (the caching allocator hands the poisoned blocks
+back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix, and no NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..blocks import locality_mix, resolve_blocks
+from ..reference import mhla_attention_reference
+from .op import mhla_attention_triton
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+
+# name, heads, D, Dv, grid, blocks, options
+CASES = [
+    ("wan-1.3b-480p", 12, 128, 128, (21, 30, 52), (3, 4, 5), {}),
+    ("wan-1.3b-480p rope unnorm", 12, 128, 128, (21, 30, 52), (3, 4, 5), {"normalize": False, "rope": True}),
+    ("dit-xl-512 elu", 16, 72, 72, (1, 32, 32), "auto", {"feature": "elu"}),
+    ("sana-1.6b-1k", 70, 32, 32, (1, 32, 32), "auto", {}),
+    ("sana-like-4k", 20, 112, 112, (1, 128, 128), "auto", {}),
+    ("d256 rope", 4, 256, 256, (3, 20, 30), (2, 3, 4), {"rope": True}),
+    ("d136/dv40 ragged B=2", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2}),
+]
+
+
+def _rope_tables(n: int, d: int, device):
+    angle = torch.randn(1, n, 1, d // 2, device=device, dtype=torch.float64).repeat_interleave(2, -1)
+    return angle.cos(), angle.sin()
+
+
+def _poison(shapes_dtypes, device):
+    """Fill freshly allocated blocks of these sizes with NaN, then free them for reuse."""
+    poisoned = [torch.full(s, math.nan, dtype=dt, device=device) for s, dt in shapes_dtypes]
+    del poisoned  # all alive at once, then freed together: the next allocations reuse them
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(x).all():
+        return math.inf
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") -> dict:
+    """One case: errors of o and all gradients against the fp64 reference."""
+    blocks = resolve_blocks(grid, blocks)
+    batch = options.get("batch", 1)
+    n, m = math.prod(grid), math.prod(blocks)
+    q, k = (torch.randn(batch, n, heads, d, device=device) for _ in range(2))
+    v = torch.randn(batch, n, heads, dv, device=device)
+    mix = (locality_mix(blocks) + 0.05 * torch.rand(m, m, dtype=torch.float64)).float().to(device)
+    rope = _rope_tables(n, d, device) if options.get("rope") else None
+    kwargs = {"normalize": options.get("normalize", True), "feature": options.get("feature", "relu")}
+    do = torch.randn(batch, n, heads, dv, device=device)
+
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [mix.clone().requires_grad_()]
+    outs = [((batch, n, heads, dv), dtype), ((batch, n, heads, d), dtype), ((batch, n, heads, d), dtype),
+            ((batch, n, heads, dv), dtype), ((batch * heads, m, d, dv), torch.float32)]
+    _poison(outs, device)
+    o = mhla_attention_triton(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
+                              **kwargs)
+    _poison(outs, device)
+    o.backward(do.to(dtype))
+    torch.cuda.synchronize()
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = mhla_attention_reference(*ref_leaves, grid, blocks, rope=rope, **kwargs)
+    ref.backward(do.double())
+    errors = {"o": _rel(o, ref)}
+    errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
+    worst = max(errors.values())
+    return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": n, "M": m, "heads": heads, "D": d,
+            "Dv": dv, "errors": errors, "worst": worst, "ok": worst < TOLERANCE[dtype]}
+
+
+def run_checks(dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
+    torch.manual_seed(0)
+    results = []
+    for case in CASES:
+        for dtype in dtypes:
+            results.append(check_case(*case, dtype))
+            torch.cuda.empty_cache()
+    return results

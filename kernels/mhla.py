@@ -1,0 +1,569 @@
+"""Triton kernels for MHLA (MHLA_SPEC.md section 1) on (B, N, heads, D) raster-layout tensors.
+
+Three token kernels, each reading the tokens of one block straight from the raster layout (block
+bounds and raster indices are computed in the kernel; nothing is permuted or copied):
+
+- `_summary_kernel`: S_b = sum_j rope(phi(x_j))^T (y_j * ys_j), z_b = sum_j phi(x_j) * zw_j.
+  Forward: x = k, y = v. Backward: x = q, y = dO, ys = 1/den, zw = c gives dS~, dz~.
+- `_output_kernel`: o_n = rope(phi(q_n)) S~_b / (phi(q_n) . z~_b + eps).
+- `_grad_kernel`: P_n = y_n Mat_b^T; dx_n = phi'(x_n) * (rope^T(P_n * ps_n) + zs_n * vec_b),
+  optionally dy_n = rope(phi(x_n)) Mat_b. Backward for q (y = dO, Mat = S~, vec = z~; the
+  per-token 1/den and c = -(rope(phi(q)) . P)/den^2 are computed and stored on the way) and for
+  k, v (y = v, Mat = dS, vec = dz, dy = dv).
+
+Mixing across blocks (S~ = mix @ S, dS = mix^T dS~) is a batched matmul in PyTorch; dmix, a
+sum of block Gram matrices over batch, heads and D x Dv, is a fourth kernel, `_gram_kernel`.
+Summaries are fp32 (B*heads, M, D, Dv); every accumulation is fp32.
+`reference_*` beside each launcher is the plain PyTorch meaning of that kernel, for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..blocks import as_blocks, as_grid, block_layout
+from ..reference import apply_rope, feature_map
+
+# Largest tile edge for a summary accumulator, and largest D x Dv tile a program keeps.
+MAX_TILE = 128
+MAX_TILE_AREA = 128 * 128
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _phi(x, ELU: tl.constexpr):
+    if ELU:
+        return tl.where(x > 0, x + 1.0, tl.exp(x))
+    return tl.maximum(x, 0.0)
+
+
+@triton.jit
+def _dphi(fx, ELU: tl.constexpr):
+    """phi'(x) from phi(x): relu' = [phi > 0]; for elu + 1, phi' = min(phi, 1) (exp(x) for x <= 0)."""
+    if ELU:
+        return tl.minimum(fx, 1.0)
+    return tl.where(fx > 0, 1.0, 0.0)
+
+
+@triton.jit
+def _swap_pairs(x, BN: tl.constexpr, BD: tl.constexpr):
+    """(x[2i], x[2i+1]) -> (x[2i+1], x[2i]) along the last axis, in registers."""
+    a, b = tl.split(tl.reshape(x, (BN, BD // 2, 2)))
+    return tl.reshape(tl.join(b, a), (BN, BD))
+
+
+@triton.jit
+def _block_bounds(m, T, H, W, NBT, NBH, NBW):
+    """Start (t0, h0, w0) and extent (lt, lh, lw) of block m: floor(i*L/n) bounds per axis."""
+    it = m // (NBH * NBW)
+    ih = (m // NBW) % NBH
+    iw = m % NBW
+    t0 = it * T // NBT
+    h0 = ih * H // NBH
+    w0 = iw * W // NBW
+    lt = (it + 1) * T // NBT - t0
+    lh = (ih + 1) * H // NBH - h0
+    lw = (iw + 1) * W // NBW - w0
+    return t0, h0, w0, lt, lh, lw
+
+
+@triton.jit
+def _raster(r, t0, h0, w0, lh, lw, H, W):
+    """Raster token index of the r-th token (raster order) inside a block."""
+    t = t0 + r // (lh * lw)
+    h = h0 + (r // lw) % lh
+    w = w0 + r % lw
+    return ((t * H + h) * W + w).to(tl.int64)
+
+
+@triton.jit
+def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1):
+    return tl.load(ptr + n[:, None] * sn + d[None, :] * sd, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d,
+              BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr):
+    """phi(x) (zero outside the tile), and the rotated features used in numerators."""
+    x = _load_rows(x_ptr, n, sxn, mask_n, d, mask_d)
+    fx = tl.where(mask_n[:, None] & mask_d[None, :], _phi(x, ELU), 0.0)
+    rx = fx
+    if ROPE:
+        cos = _load_rows(cos_ptr, n, scn, mask_n, d, mask_d, scd)
+        sin = _load_rows(sin_ptr, n, scn, mask_n, d, mask_d, scd)
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)[None, :]
+        rx = fx * cos + sign * _swap_pairs(fx, BN, BD) * sin
+    return fx, rx
+
+
+@triton.jit
+def _rope_t(g, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BN: tl.constexpr, BD: tl.constexpr):
+    """Transpose of the RoPE rotation, applied to a gradient tile."""
+    cos = _load_rows(cos_ptr, n, scn, mask_n, d, mask_d, scd)
+    sin = _load_rows(sin_ptr, n, scn, mask_n, d, mask_d, scd)
+    sign = tl.where(d % 2 == 0, -1.0, 1.0)[None, :]
+    return g * cos - sign * _swap_pairs(g * sin, BN, BD)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _summary_kernel(
+    x_ptr, y_ptr, cos_ptr, sin_ptr, ys_ptr, zw_ptr, s_ptr, z_ptr,
+    sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd,
+    heads, N, M, T, H, W, NBT, NBH, NBW, D, DV, TOK,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D_TILES: tl.constexpr, DV_TILES: tl.constexpr,
+    ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
+    WITH_Z: tl.constexpr, ATOMIC: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_s, pid_t, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = pid_t // (D_TILES * DV_TILES)
+    dt = (pid_t // DV_TILES) % D_TILES
+    vt = pid_t % DV_TILES
+    b, h = bh // heads, bh % heads
+    t0, h0, w0, lt, lh, lw = _block_bounds(m, T, H, W, NBT, NBH, NBW)
+    r0 = pid_s * TOK
+    r1 = tl.minimum(r0 + TOK, lt * lh * lw)
+    x_ptr += b.to(tl.int64) * sxb + h * sxh
+    y_ptr += b.to(tl.int64) * syb + h * syh
+    cos_ptr += b.to(tl.int64) * scb + h * sch
+    sin_ptr += b.to(tl.int64) * scb + h * sch
+    d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
+    e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask_d, mask_e = d < D, e < DV
+    acc = tl.zeros((BLOCK_D, BLOCK_DV), tl.float32)
+    zacc = tl.zeros((BLOCK_D, 16), tl.float32)
+    for r in range(r0, r1, BLOCK_N):
+        rr = r + tl.arange(0, BLOCK_N)
+        mask_n = rr < r1
+        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
+        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
+        y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
+        if SCALE_Y:
+            y = y * tl.load(ys_ptr + bh * N + n, mask=mask_n, other=0.0)[:, None]
+        acc += tl.dot(tl.trans(rx.to(DOT)), y.to(DOT), input_precision=PRECISION)
+        if WITH_Z:  # z += phi(x)^T w as a thin product (column 0 of w), not a cross-thread sum per tile
+            w = tl.where(mask_n, 1.0, 0.0)
+            if WEIGHT_Z:
+                w = tl.load(zw_ptr + bh * N + n, mask=mask_n, other=0.0)
+            w = tl.where(tl.arange(0, 16)[None, :] == 0, w[:, None], 0.0)
+            zacc += tl.dot(tl.trans(fx), w, input_precision="ieee")
+    base = (bh * M + m).to(tl.int64)
+    s_off = (base * D + d[:, None]) * DV + e[None, :]
+    s_mask = mask_d[:, None] & mask_e[None, :] & (r0 < r1)
+    z_mask = mask_d & (r0 < r1) & (vt == 0)
+    zacc = tl.sum(zacc, axis=1)
+    if ATOMIC:
+        tl.atomic_add(s_ptr + s_off, acc, mask=s_mask)
+        if WITH_Z:
+            tl.atomic_add(z_ptr + base * D + d, zacc, mask=z_mask)
+    else:
+        tl.store(s_ptr + s_off, acc, mask=s_mask)
+        if WITH_Z:
+            tl.store(z_ptr + base * D + d, zacc, mask=z_mask)
+
+
+@triton.jit
+def _output_kernel(
+    q_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr,
+    sqb, sqn, sqh, scb, scn, sch, scd, sob, son, soh,
+    heads, M, T, H, W, NBT, NBH, NBW, D, DV, TOK, eps,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
+    ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_s, pid_t, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m, vt = pid_t // DV_TILES, pid_t % DV_TILES
+    b, h = bh // heads, bh % heads
+    t0, h0, w0, lt, lh, lw = _block_bounds(m, T, H, W, NBT, NBH, NBW)
+    r0 = pid_s * TOK
+    r1 = tl.minimum(r0 + TOK, lt * lh * lw)
+    q_ptr += b.to(tl.int64) * sqb + h * sqh
+    o_ptr += b.to(tl.int64) * sob + h * soh
+    cos_ptr += b.to(tl.int64) * scb + h * sch
+    sin_ptr += b.to(tl.int64) * scb + h * sch
+    d = tl.arange(0, BLOCK_D)
+    e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask_d, mask_e = d < D, e < DV
+    base = (bh * M + m).to(tl.int64)
+    mat = tl.load(s_ptr + (base * D + d[:, None]) * DV + e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    mat = mat.to(DOT)
+    zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
+    for r in range(r0, r1, BLOCK_N):
+        rr = r + tl.arange(0, BLOCK_N)
+        mask_n = rr < r1
+        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
+        fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
+        out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
+        if NORMALIZE:
+            out = out / (tl.sum(fx * zt[None, :], axis=1) + eps)[:, None]
+        tl.store(o_ptr + n[:, None] * son + e[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_e[None, :])
+
+
+@triton.jit
+def _grad_kernel(
+    x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr,
+    sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
+    heads, N, M, T, H, W, NBT, NBH, NBW, D, DV, TOK, eps,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
+    ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr, WITH_DY: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_s, m, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // heads, bh % heads
+    t0, h0, w0, lt, lh, lw = _block_bounds(m, T, H, W, NBT, NBH, NBW)
+    r0 = pid_s * TOK
+    r1 = tl.minimum(r0 + TOK, lt * lh * lw)
+    x_ptr += b.to(tl.int64) * sxb + h * sxh
+    y_ptr += b.to(tl.int64) * syb + h * syh
+    dx_ptr += b.to(tl.int64) * sdxb + h * sdxh
+    dy_ptr += b.to(tl.int64) * sdyb + h * sdyh
+    cos_ptr += b.to(tl.int64) * scb + h * sch
+    sin_ptr += b.to(tl.int64) * scb + h * sch
+    d = tl.arange(0, BLOCK_D)
+    mask_d = d < D
+    base = (bh * M + m).to(tl.int64)
+    mat_rows = mat_ptr + (base * D + d[:, None]) * DV
+    e0 = tl.arange(0, BLOCK_DV)
+    mat0 = tl.load(mat_rows + e0[None, :], mask=mask_d[:, None] & (e0 < DV)[None, :], other=0.0).to(DOT)
+    vec = tl.load(vec_ptr + base * D + d, mask=mask_d, other=0.0)
+    for r in range(r0, r1, BLOCK_N):
+        rr = r + tl.arange(0, BLOCK_N)
+        mask_n = rr < r1
+        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
+        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
+        p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        for j in tl.static_range(DV_TILES):
+            e = j * BLOCK_DV + e0
+            mask_e = e < DV
+            if j == 0:
+                mat = mat0
+            else:
+                mat = tl.load(mat_rows + e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0).to(DOT)
+            y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
+            p += tl.dot(y.to(DOT), tl.trans(mat), input_precision=PRECISION)
+            if WITH_DY:
+                dy = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
+                tl.store(dy_ptr + n[:, None] * sdyn + e[None, :], dy.to(dy_ptr.dtype.element_ty),
+                         mask=mask_n[:, None] & mask_e[None, :])
+        if STATS:  # q side, normalized: P = dO S~^T; den, 1/den and c = -(rq . P) / den^2 per token
+            rden = 1.0 / (tl.sum(fx * vec[None, :], axis=1) + eps)
+            c = -tl.sum(rx * p, axis=1) * rden * rden
+            tl.store(rden_ptr + bh * N + n, rden, mask=mask_n)
+            tl.store(c_ptr + bh * N + n, c, mask=mask_n)
+            p = p * rden[:, None]
+        if ROPE:
+            p = _rope_t(p, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D)
+        if USE_VEC:
+            if STATS:
+                p += c[:, None] * vec[None, :]
+            else:
+                p += vec[None, :]
+        dx = p * _dphi(fx, ELU)
+        tl.store(dx_ptr + n[:, None] * sdxn + d[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[i, j] += sum over (bh, f) of a[bh, i, f] b[bh, j, f], f split over programs.
+
+    cuBLAS runs this shape (M x M outputs, K = B*heads*D*Dv) on a handful of CTAs; here the
+    K range is cut into many programs whose partial M x M tiles meet in fp32 atomics.
+    """
+    pid_f, pid_ij, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_j = tl.cdiv(M, BLOCK_M)
+    i = (pid_ij // n_j) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = (pid_ij % n_j) * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_ptr += bh.to(tl.int64) * M * F
+    b_ptr += bh.to(tl.int64) * M * F
+    acc = tl.zeros((BLOCK_M, BLOCK_M), tl.float32)
+    f0 = pid_f * F_PER
+    for f in range(f0, tl.minimum(f0 + F_PER, F), BLOCK_K):
+        kk = f + tl.arange(0, BLOCK_K)
+        mk = kk < F
+        a = tl.load(a_ptr + i[:, None].to(tl.int64) * F + kk[None, :], mask=(i < M)[:, None] & mk[None, :], other=0.0)
+        b = tl.load(b_ptr + j[:, None].to(tl.int64) * F + kk[None, :], mask=(j < M)[:, None] & mk[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    tl.atomic_add(out_ptr + i[:, None] * M + j[None, :], acc, mask=(i < M)[:, None] & (j < M)[None, :])
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+class Geometry:
+    """Integer arguments shared by all kernels of one call."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, grid, blocks):
+        self.B, self.N, self.heads, self.D = x.shape
+        self.DV = y.shape[-1]
+        self.grid, self.blocks = as_grid(grid), as_blocks(blocks)
+        self.M = self.blocks[0] * self.blocks[1] * self.blocks[2]
+        self.BH = self.B * self.heads
+        # Longest block: the block grid is a product of per-axis cuts of ceil(L / n) tokens at most.
+        self.max_len = math.prod(-(-length // n) for length, n in zip(self.grid, self.blocks))
+        self.args = (*self.grid, *self.blocks)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def _dot_types(dtype: torch.dtype):
+    """Operand type of the tensor-core products and their fp32 precision.
+
+    bf16 inputs multiply in bf16 (fp32 accumulate); fp16 inputs in tf32, since fp32 summaries can
+    overflow fp16; fp32 inputs in full fp32.
+    """
+    if dtype == torch.bfloat16:
+        return tl.bfloat16, "tf32"
+    return tl.float32, ("ieee" if dtype == torch.float32 else "tf32")
+
+
+def _tokens_per_program(g: Geometry, block_n: int, programs_per_token_group: int, target: int) -> int:
+    """Tokens each program walks: enough programs to fill the GPU, as few as possible beyond that."""
+    tiles = triton.cdiv(g.max_len, block_n)
+    groups = max(1, min(tiles, triton.cdiv(target, max(1, programs_per_token_group))))
+    return triton.cdiv(tiles, groups) * block_n
+
+
+def _rope_args(rope, g: Geometry, like: torch.Tensor):
+    if rope is None:
+        return like, like, (0, 0, 0, 0)
+    cos, sin = (t.expand(g.B, g.N, g.heads, g.D) for t in rope)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, (cos.stride(0), cos.stride(1), cos.stride(2), cos.stride(3))
+
+
+# Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md); "programs"
+# is how many programs to aim for (tokens per program follow from it).
+CONFIG = {
+    "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128},
+    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024},
+    "grad": {"block_n": 128, "num_warps": 8, "num_stages": 1, "programs": 1024},
+    "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
+}
+
+
+def _config(kernel: str, dtype: torch.dtype, block_d: int) -> dict:
+    """CONFIG[kernel], shrunk for fp32 operands or D tiles over 128 so shared memory suffices."""
+    cfg = dict(CONFIG[kernel])
+    if dtype != torch.bfloat16 or block_d > MAX_TILE:
+        cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1)
+    return cfg
+
+
+def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None):
+    """(S, z): S[bh, m] = sum rope(phi(x))^T (y * y_scale), z[bh, m] = sum phi(x) * z_weight (fp32)."""
+    block_d = min(_pow2(g.D), MAX_TILE)
+    cfg = _config("summary", x.dtype, block_d)
+    block_dv = min(_pow2(g.DV), cfg["max_dv"])
+    d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
+    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * d_tiles * dv_tiles, cfg["programs"])
+    splits = triton.cdiv(g.max_len, tok)
+    alloc = torch.zeros if splits > 1 else torch.empty
+    s = alloc((g.BH, g.M, g.D, g.DV), device=x.device, dtype=torch.float32)
+    z = alloc((g.BH, g.M, g.D), device=x.device, dtype=torch.float32)
+    cos, sin, cs = _rope_args(rope, g, x)
+    dot, precision = _dot_types(x.dtype)
+    _summary_kernel[(splits, g.M * d_tiles * dv_tiles, g.BH)](
+        x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, s, z,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
+        g.heads, g.N, g.M, *g.args, g.D, g.DV, tok,
+        BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, D_TILES=d_tiles, DV_TILES=dv_tiles,
+        ELU=elu, ROPE=rope is not None, SCALE_Y=y_scale is not None, WEIGHT_Z=z_weight is not None,
+        WITH_Z=with_z, ATOMIC=splits > 1, DOT=dot, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return s, z
+
+
+def _full_d_tiles(g: Geometry):
+    """Kernels that keep the whole (padded) D in registers tile Dv so that D x Dv_tile stays bounded."""
+    block_d = _pow2(g.D)
+    block_dv = min(_pow2(g.DV), max(16, MAX_TILE_AREA // block_d))
+    return block_d, block_dv, triton.cdiv(g.DV, block_dv)
+
+
+def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, out_dtype):
+    """o = rope(phi(q)) S~_b [/ (phi(q) . z~_b + eps)], written in raster order."""
+    block_d, block_dv, dv_tiles = _full_d_tiles(g)
+    cfg = _config("output", q.dtype, block_d)
+    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * dv_tiles, cfg["programs"])
+    o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
+    cos, sin, cs = _rope_args(rope, g, q)
+    dot, precision = _dot_types(q.dtype)
+    _output_kernel[(triton.cdiv(g.max_len, tok), g.M * dv_tiles, g.BH)](
+        q, cos, sin, mixed_s, mixed_z, o,
+        q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
+        g.heads, g.M, *g.args, g.D, g.DV, tok, eps,
+        BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
+        ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o
+
+
+def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float):
+    """dx (and dy) of one side; with `stats`, also the per-token 1/den and c of the q side.
+
+    Returns (dx, dy or None, rden or None, c or None).
+    """
+    block_d, block_dv, dv_tiles = _full_d_tiles(g)
+    cfg = _config("grad", x.dtype, block_d)
+    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M, cfg["programs"])
+    dx = torch.empty((g.B, g.N, g.heads, g.D), device=x.device, dtype=x.dtype)
+    dy = torch.empty((g.B, g.N, g.heads, g.DV), device=x.device, dtype=y.dtype) if with_dy else dx
+    rden = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
+    c = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
+    cos, sin, cs = _rope_args(rope, g, x)
+    dot, precision = _dot_types(x.dtype)
+    _grad_kernel[(triton.cdiv(g.max_len, tok), g.M, g.BH)](
+        x, y, cos, sin, mat, vec, dx, dy, rden, c,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
+        dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+        g.heads, g.N, g.M, *g.args, g.D, g.DV, tok, eps,
+        BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
+        ELU=elu, ROPE=rope is not None, STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy,
+        DOT=dot, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    """fp32 GEMMs in TF32 for 16-bit inputs: mixing is compute-bound in plain fp32 at large M.
+
+    Flips torch's process-wide flag for the duration (restored after), as torch offers no per-call switch.
+    """
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_b mix[i, b] s[:, b]: one batched GEMM over (B*heads, M, prod(rest))."""
+    with _tf32(dtype != torch.float32):
+        return torch.matmul(mix, s.flatten(2)).view(s.shape)
+
+
+def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum over batch and features of a[bh, i] . b[bh, j]: (M, M) fp32, as dmix needs it."""
+    bh, m = a.shape[:2]
+    f = a[0, 0].numel()
+    cfg = CONFIG["gram"]
+    block_m = max(16, min(64, _pow2(m)))
+    tiles = triton.cdiv(m, block_m) ** 2
+    splits = max(1, min(triton.cdiv(f, cfg["block_k"]), triton.cdiv(cfg["programs"], bh * tiles)))
+    f_per = triton.cdiv(triton.cdiv(f, splits), cfg["block_k"]) * cfg["block_k"]
+    out = torch.zeros((m, m), device=a.device, dtype=torch.float32)
+    _gram_kernel[(triton.cdiv(f, f_per), tiles, bh)](
+        a, b, out, m, f, f_per, BLOCK_M=block_m, BLOCK_K=cfg["block_k"], PRECISION=_dot_types(dtype)[1],
+        num_warps=4, num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+
+def mhla_forward(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
+    """Output and the per-block state (S, z) the backward needs."""
+    s, z = block_summaries(k, v, rope, g, elu=elu, with_z=True)
+    mix = mix.float()
+    o = block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype), rope, g, elu=elu,
+                     normalize=normalize, eps=eps, out_dtype=v.dtype)
+    return o, s, z
+
+
+def mhla_backward(do, q, k, v, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
+    """Gradients (dq, dk, dv, dmix) from the inputs and the saved per-block state."""
+    mix32 = mix.float()
+    mixed_s, mixed_z = mix_blocks(mix32, s, q.dtype), mix_blocks(mix32, z, q.dtype)
+    dq, _, rden, c = block_grad(q, do, mixed_s, mixed_z, rope, g, elu=elu, stats=normalize, use_vec=normalize,
+                                with_dy=False, eps=eps)
+    ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
+    dmix = block_gram(ds_mixed, s, q.dtype)
+    if normalize:
+        dmix += block_gram(dz_mixed, z, q.dtype)
+    mix_t = mix32.t()
+    dk, dv, _, _ = block_grad(k, v, mix_blocks(mix_t, ds_mixed, q.dtype), mix_blocks(mix_t, dz_mixed, q.dtype), rope,
+                              g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
+    return dq, dk, dv, dmix.to(mix.dtype)
+
+
+# ----------------------------------------------------------------------------- plain PyTorch meaning of each launcher
+
+
+def _to_blocks(x, g: Geometry):
+    """(B, N, h, C) -> (B*h, M, Lmax, C), zeros in padding slots."""
+    lay = block_layout(g.grid, g.blocks, x.device)
+    return F.pad(x.transpose(1, 2), (0, 0, 0, 1))[:, :, lay.slot_index].flatten(0, 1)
+
+
+def _from_blocks(xb, g: Geometry):
+    """(B*h, M, Lmax, C) -> (B, N, h, C)."""
+    lay = block_layout(g.grid, g.blocks, xb.device)
+    return xb.flatten(1, 2)[:, lay.token_slot].unflatten(0, (g.B, g.heads)).transpose(1, 2)
+
+
+def _per_token(t, g: Geometry):
+    """A (B*h, N) per-token scalar as a (B, N, h, 1) tensor."""
+    return t.unflatten(0, (g.B, g.heads)).transpose(1, 2).unsqueeze(-1)
+
+
+def _ref_features(x, rope, elu: bool):
+    fx = feature_map("elu" if elu else "relu")(x.double())
+    return fx, (apply_rope(fx, rope) if rope is not None else fx)
+
+
+def reference_summaries(x, y, rope, g: Geometry, *, elu: bool, y_scale=None, z_weight=None):
+    fx, rx = _ref_features(x, rope, elu)
+    y = y.double() * (_per_token(y_scale, g) if y_scale is not None else 1)
+    fx = fx * (_per_token(z_weight, g) if z_weight is not None else 1)
+    return torch.einsum("bmld,bmle->bmde", _to_blocks(rx, g), _to_blocks(y, g)), _to_blocks(fx, g).sum(2)
+
+
+def reference_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
+    fq, rq = _ref_features(q, rope, elu)
+    out = torch.einsum("bmld,bmde->bmle", _to_blocks(rq, g), mixed_s.double())
+    if normalize:
+        out = out / (torch.einsum("bmld,bmd->bml", _to_blocks(fq, g), mixed_z.double()).unsqueeze(-1) + eps)
+    return _from_blocks(out, g)
+
+
+def reference_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, eps: float):
+    """(dx, dy, rden, c) as `block_grad` defines them, by autograd through the block products."""
+    x = x.double().requires_grad_()
+    fx, rx = _ref_features(x, rope, elu)
+    mat, vec = mat.double(), vec.double()
+    p = _from_blocks(torch.einsum("bmle,bmde->bmld", _to_blocks(y.double(), g), mat), g)
+    dy = _from_blocks(torch.einsum("bmld,bmde->bmle", _to_blocks(rx.detach(), g), mat), g)
+    zvec = _from_blocks(vec.unsqueeze(2).expand(-1, -1, _to_blocks(x, g).shape[2], -1), g)
+    rden = c = None
+    weight = 1.0
+    if stats:
+        rden = 1.0 / ((fx.detach() * zvec).sum(-1, keepdim=True) + eps)
+        c = -(rx.detach() * p).sum(-1, keepdim=True) * rden**2
+        p, weight = p * rden, c
+    loss = (rx * p).sum() + ((fx * zvec * weight).sum() if use_vec else 0)
+    (dx,) = torch.autograd.grad(loss, x)
+    flat = lambda t: t.squeeze(-1).transpose(1, 2).flatten(0, 1) if t is not None else None  # noqa: E731
+    return dx, dy, flat(rden), flat(c)

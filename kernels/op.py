@@ -1,0 +1,100 @@
+"""The Triton MHLA path as a torch custom op, so autograd and torch.compile see one opaque node.
+
+Forward returns (o, S, z); S, z (fp32 per-block summaries) are the only state the backward
+keeps besides the inputs. Gradients flow to q, k, v and mix; RoPE tables get none.
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+from . import mhla
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the Triton path cannot take these inputs, or None if it can."""
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"tensors are on {q.device.type}; the Triton backend needs CUDA (or TRITON_INTERPRET=1 on CPU)"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        return f"q, k, v must share one dtype of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+    for name, dim in (("D", q.shape[-1]), ("D_v", v.shape[-1])):
+        if dim % 8 or dim > MAX_HEAD_DIM:
+            return f"head dim {name} = {dim} must be a multiple of 8 up to {MAX_HEAD_DIM}"
+    return None
+
+
+def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Kernels take any strides for B, N, heads but need unit stride along the head dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rope(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]):
+    return None if cos is None else (cos, sin)
+
+
+@torch.library.custom_op("mhla_diffusion::mhla_fwd", mutates_args=())
+def mhla_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    grid: list[int], blocks: list[int], normalize: bool, eps: float, feature: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = mhla.Geometry(q, v, grid, blocks)
+    q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+    return mhla.mhla_forward(q, k, v, mix, _rope(cos, sin), g, elu=feature == "elu", normalize=normalize, eps=eps)
+
+
+@mhla_fwd.register_fake
+def _(q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature):
+    b, n, heads, d = q.shape
+    dv, m = v.shape[-1], mix.shape[0]
+    state = dict(device=q.device, dtype=torch.float32)
+    return (q.new_empty((b, n, heads, dv), dtype=v.dtype),
+            torch.empty((b * heads, m, d, dv), **state), torch.empty((b * heads, m, d), **state))
+
+
+@torch.library.custom_op("mhla_diffusion::mhla_bwd", mutates_args=())
+def mhla_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+    s: torch.Tensor, z: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    grid: list[int], blocks: list[int], normalize: bool, eps: float, feature: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = mhla.Geometry(q, v, grid, blocks)
+    do, q, k, v = (_inner_contiguous(t) for t in (do.to(v.dtype), q, k, v))
+    return mhla.mhla_backward(do, q, k, v, mix, s, z, _rope(cos, sin), g, elu=feature == "elu",
+                              normalize=normalize, eps=eps)
+
+
+@mhla_bwd.register_fake
+def _(do, q, k, v, mix, s, z, cos, sin, grid, blocks, normalize, eps, feature):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(mix)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature = inputs
+    _, s, z = output
+    ctx.mark_non_differentiable(s, z)
+    ctx.save_for_backward(q, k, v, mix, s, z, cos, sin)
+    ctx.options = (grid, blocks, normalize, eps, feature)
+
+
+def _backward(ctx, do, _ds, _dz):
+    q, k, v, mix, s, z, cos, sin = ctx.saved_tensors
+    dq, dk, dv, dmix = mhla_bwd(do, q, k, v, mix, s, z, cos, sin, *ctx.options)
+    return dq, dk, dv, dmix, None, None, None, None, None, None, None
+
+
+mhla_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mhla_attention_triton(q, k, v, mix, grid, blocks, *, normalize=True, eps=1e-6, feature="relu", rope=None):
+    """The fused path behind `mhla_attention(..., backend="triton")`; inputs already checked."""
+    reason = unsupported_reason(q, k, v)
+    if reason is not None:
+        raise ValueError(f"backend='triton': {reason}")
+    cos, sin = (None, None) if rope is None else (rope[0].detach(), rope[1].detach())
+    grid, blocks = [int(x) for x in grid], [int(x) for x in blocks]
+    return mhla_fwd(q, k, v, mix, cos, sin, grid, blocks, bool(normalize), float(eps), str(feature))[0]

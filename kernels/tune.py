@@ -1,0 +1,113 @@
+"""Developer tool: where the time of one MHLA call goes, stage by stage, and launch-config sweeps.
+
+    python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram]
+
+Prints median ms (triton.testing.do_bench) of each stage of forward and backward at the
+Wan2.1 shapes; with --tune KERNEL..., first a coordinate descent over SWEEP for those kernels'
+`mhla.CONFIG` entries on the first shape. The chosen values are copied into `mhla.CONFIG`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from triton.testing import do_bench
+
+from ..blocks import locality_mix
+from . import mhla
+from .op import mhla_attention_triton
+
+SHAPES = {"wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8))}
+SWEEP = {
+    "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "programs": (256, 1024, 4096),
+    "max_dv": (64, 128), "block_k": (32, 64, 128),
+}
+KERNEL_STAGES = {
+    "summary": ("fwd: summaries", "bwd: dS~ summaries"),
+    "gram": ("bwd: dmix",),
+    "output": ("fwd: output",),
+    "grad": ("bwd: dq + stats", "bwd: dk, dv"),
+}
+
+
+def _inputs(heads, d, grid, blocks):
+    n, m = math.prod(grid), math.prod(blocks)
+    q, k, v, do = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    return q, k, v, do, locality_mix(blocks).float().cuda()
+
+
+def stages(name: str) -> dict:
+    """Median ms of each kernel / GEMM of one forward and backward."""
+    heads, d, grid, blocks = SHAPES[name]
+    q, k, v, do, mix = _inputs(heads, d, grid, blocks)
+    g = mhla.Geometry(q, v, grid, blocks)
+    kw = dict(elu=False, eps=1e-6)
+    s, z = mhla.block_summaries(k, v, None, g, elu=False, with_z=True)
+    ms, mz = mhla.mix_blocks(mix, s, q.dtype), mhla.mix_blocks(mix, z, q.dtype)
+    dq, _, rden, c = mhla.block_grad(q, do, ms, mz, None, g, stats=True, use_vec=True, with_dy=False, **kw)
+    dms, dmz = mhla.block_summaries(q, do, None, g, elu=False, with_z=True, y_scale=rden, z_weight=c)
+    timed = {
+        "fwd: summaries": lambda: mhla.block_summaries(k, v, None, g, elu=False, with_z=True),
+        "fwd: mix (S and z)": lambda: (mhla.mix_blocks(mix, s, q.dtype), mhla.mix_blocks(mix, z, q.dtype)),
+        "fwd: output": lambda: mhla.block_output(q, ms, mz, None, g, normalize=True, out_dtype=q.dtype, **kw),
+        "bwd: dq + stats": lambda: mhla.block_grad(q, do, ms, mz, None, g, stats=True, use_vec=True, with_dy=False,
+                                                   **kw),
+        "bwd: dS~ summaries": lambda: mhla.block_summaries(q, do, None, g, elu=False, with_z=True, y_scale=rden,
+                                                           z_weight=c),
+        "bwd: dmix": lambda: (mhla.block_gram(dms, s, q.dtype), mhla.block_gram(dmz, z, q.dtype)),
+        "bwd: mix^T": lambda: (mhla.mix_blocks(mix.t(), dms, q.dtype), mhla.mix_blocks(mix.t(), dmz, q.dtype)),
+        "bwd: dk, dv": lambda: mhla.block_grad(k, v, ms, mz, None, g, stats=False, use_vec=True, with_dy=True, **kw),
+    }
+    return {key: do_bench(fn, return_mode="median") for key, fn in timed.items()}
+
+
+def op_times(name: str) -> tuple[float, float]:
+    heads, d, grid, blocks = SHAPES[name]
+    q, k, v, do, mix = _inputs(heads, d, grid, blocks)
+    leaves = [t.requires_grad_() for t in (q, k, v, mix)]
+    fn = lambda: mhla_attention_triton(*leaves, grid, blocks)  # noqa: E731
+    with torch.no_grad():
+        fwd = do_bench(fn, return_mode="median")
+    return fwd, do_bench(lambda: fn().backward(do), grad_to_none=leaves, return_mode="median")
+
+
+def tune(kernel: str, shape: str) -> None:
+    """Coordinate descent over SWEEP on the summed time of the kernel's stages; leaves the best in CONFIG."""
+    def cost():
+        times = stages(shape)
+        return sum(times[k] for k in KERNEL_STAGES[kernel])
+
+    best = cost()
+    for key, values in SWEEP.items():
+        if key not in mhla.CONFIG[kernel]:
+            continue
+        current = mhla.CONFIG[kernel][key]
+        for value in values:
+            if value == current:
+                continue
+            mhla.CONFIG[kernel][key] = value
+            try:
+                t = cost()
+            except Exception as err:  # a config the compiler rejects (e.g. out of shared memory)
+                print(f"tune {kernel} {key}={value}: {type(err).__name__}")
+                continue
+            print(f"tune {kernel} {key}={value}: {t:.4f} ms (best {best:.4f})")
+            if t < best:
+                best, current = t, value
+        mhla.CONFIG[kernel][key] = current
+    print(f"tune {kernel}: {mhla.CONFIG[kernel]} {best:.4f} ms")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune", nargs="*", choices=list(mhla.CONFIG), help="kernels whose config to tune")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = parser.parse_args(argv)
+    for kernel in args.tune or ():
+        tune(kernel, args.shapes[0])
+    for name in args.shapes:
+        for stage, ms in stages(name).items():
+            print(f"{name:7s} {stage:22s} {ms:.4f} ms")
+        print(f"{name:7s} op fwd / fwd+bwd        {'%.4f / %.4f' % op_times(name)} ms")

@@ -1,0 +1,76 @@
+"""The Triton MHLA kernels against the PyTorch reference, on CPU through the Triton interpreter.
+
+The interpreter has to be on before triton is imported, so the kernel checks run in one
+subprocess (tests/kernels_interp.py) and each case here asserts on its reported errors; the
+rest of the session keeps importing triton normally.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhla_diffusion import mhla_attention
+from mhla_diffusion.blocks import locality_mix
+from mhla_diffusion.reference import mhla_attention_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "kernels_interp.py"
+CASES = [
+    "ragged relu normalized fused-qkv strides",
+    "elu rope unnormalized Dv!=D",
+    "rope normalized split programs",
+    "D=136 Dv=72 (tiled D and Dv)",
+    "fp16 rope",
+    "stages",
+    "stages split programs",
+    "torch.compile fullgraph",
+    "opcheck",
+]
+# fp32 kernels against fp64 references land near 1e-7; fp16 inputs near 3e-4.
+TOLERANCE = {"torch.float32": 1e-5, "torch.float16": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *CASES], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_match_reference(interpreted, case):
+    errors = dict(interpreted[case])
+    assert "error" not in errors, errors.get("error")
+    tolerance = TOLERANCE[errors.pop("dtype", "torch.float32")]
+    assert errors, "case reported nothing"
+    bad = {name: err for name, err in errors.items() if not err <= tolerance}
+    assert not bad, f"relative errors above {tolerance}: {bad}"
+
+
+def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 12, 2, 8)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        mhla_attention(q, q, q, locality_mix((1, 2, 2)).float(), (1, 3, 4), (1, 2, 2), backend="triton")
+
+
+def test_auto_backend_on_cpu_is_the_reference():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 2, 8, generator=g) for _ in range(3))
+    mix = locality_mix((1, 2, 2)).float()
+    out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), backend="auto")
+    assert torch.equal(out, mhla_attention_reference(q, k, v, mix, (1, 3, 4), (1, 2, 2)))
+
+
+def test_unknown_backend_is_rejected():
+    q = torch.randn(1, 12, 2, 8)
+    with pytest.raises(ValueError, match="backend"):
+        mhla_attention(q, q, q, locality_mix((1, 2, 2)).float(), (1, 3, 4), (1, 2, 2), backend="cuda")
