@@ -73,7 +73,7 @@ def build_transformer(name: str, seed: int = 0, device=None, dtype=None, **overr
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
         model = getattr(diffusers, CLASSES[family])(**config)
-    return model.to(dtype=dtype).eval()
+    return (model if dtype is None else model.to(dtype=dtype)).eval()
 
 
 def tiny_tokenizer():
