@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 
 from .blocks import as_blocks
@@ -76,13 +75,6 @@ class MHLAConfig:
         if unknown:
             raise ValueError(f"unknown MHLAConfig keys {unknown}; known keys: {sorted(known)}")
         return cls(**d)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, s: str) -> "MHLAConfig":
-        return cls.from_dict(json.loads(s))
 
 
 def parse_blocks(text) -> tuple[int, int, int] | str:

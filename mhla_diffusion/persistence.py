@@ -104,11 +104,8 @@ def _processor_state(tdir: Path) -> dict:
     return state
 
 
-def restore(transformer, path):
-    """Convert a freshly loaded transformer as stored in `path` and load its MHLA weights."""
-    config = stored_config(path)
-    if config is None:
-        raise ValueError(f"{path} is not converted to MHLA (no '{CONFIG_KEY}' in config.json); convert it with `mhla-diffusion convert`")
+def restore(transformer, path, config: MHLAConfig):
+    """Convert a freshly loaded transformer with its stored `config` and load the MHLA weights of `path`."""
     convert(transformer, config)
     state = _processor_state(transformer_dir(path))
     modules = mhla_modules(transformer)
@@ -125,8 +122,9 @@ def restore(transformer, path):
 
 def from_pretrained(path, torch_dtype=None, **kwargs):
     """Load a converted transformer or pipeline saved with `save_pretrained`, MHLA restored."""
-    if stored_config(path) is None:
+    config = stored_config(path)
+    if config is None:
         raise ValueError(f"{path} is not converted to MHLA (no '{CONFIG_KEY}' in its transformer config.json); convert it first with mhla_diffusion.convert or `mhla-diffusion convert`")
     obj = load(path, torch_dtype=torch_dtype, **kwargs)
-    restore(getattr(obj, "transformer", obj), path)
+    restore(getattr(obj, "transformer", obj), path, config)
     return obj
