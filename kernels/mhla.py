@@ -61,8 +61,9 @@ def _swap_pairs(x, BN: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _block_bounds(m, T, H, W, NBT, NBH, NBW):
-    """Start (t0, h0, w0) and extent (lt, lh, lw) of block m: floor(i*L/n) bounds per axis."""
+def _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW):
+    """Block m's start (t0, h0, w0) and row extents (lh, lw), from floor(i*L/n) bounds per axis,
+    and the slice [r0, r1) of its tokens (raster order inside the block) that program pid_s covers."""
     it = m // (NBH * NBW)
     ih = (m // NBW) % NBH
     iw = m % NBW
@@ -72,7 +73,14 @@ def _block_bounds(m, T, H, W, NBT, NBH, NBW):
     lt = (it + 1) * T // NBT - t0
     lh = (ih + 1) * H // NBH - h0
     lw = (iw + 1) * W // NBW - w0
-    return t0, h0, w0, lt, lh, lw
+    r0 = pid_s * TOK
+    return t0, h0, w0, lh, lw, r0, tl.minimum(r0 + TOK, lt * lh * lw)
+
+
+@triton.jit
+def _head(ptr, b, h, sb, sh):
+    """`ptr` moved to batch b, head h (int64 batch offset: large B*N*heads*D tensors)."""
+    return ptr + b.to(tl.int64) * sb + h * sh
 
 
 @triton.jit
@@ -133,13 +141,11 @@ def _summary_kernel(
     dt = (pid_t // DV_TILES) % D_TILES
     vt = pid_t % DV_TILES
     b, h = bh // heads, bh % heads
-    t0, h0, w0, lt, lh, lw = _block_bounds(m, T, H, W, NBT, NBH, NBW)
-    r0 = pid_s * TOK
-    r1 = tl.minimum(r0 + TOK, lt * lh * lw)
-    x_ptr += b.to(tl.int64) * sxb + h * sxh
-    y_ptr += b.to(tl.int64) * syb + h * syh
-    cos_ptr += b.to(tl.int64) * scb + h * sch
-    sin_ptr += b.to(tl.int64) * scb + h * sch
+    t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
+    x_ptr = _head(x_ptr, b, h, sxb, sxh)
+    y_ptr = _head(y_ptr, b, h, syb, syh)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch)
     d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
@@ -186,13 +192,11 @@ def _output_kernel(
     pid_s, pid_t, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m, vt = pid_t // DV_TILES, pid_t % DV_TILES
     b, h = bh // heads, bh % heads
-    t0, h0, w0, lt, lh, lw = _block_bounds(m, T, H, W, NBT, NBH, NBW)
-    r0 = pid_s * TOK
-    r1 = tl.minimum(r0 + TOK, lt * lh * lw)
-    q_ptr += b.to(tl.int64) * sqb + h * sqh
-    o_ptr += b.to(tl.int64) * sob + h * soh
-    cos_ptr += b.to(tl.int64) * scb + h * sch
-    sin_ptr += b.to(tl.int64) * scb + h * sch
+    t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
+    q_ptr = _head(q_ptr, b, h, sqb, sqh)
+    o_ptr = _head(o_ptr, b, h, sob, soh)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch)
     d = tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
@@ -223,15 +227,13 @@ def _grad_kernel(
 ):
     pid_s, m, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
-    t0, h0, w0, lt, lh, lw = _block_bounds(m, T, H, W, NBT, NBH, NBW)
-    r0 = pid_s * TOK
-    r1 = tl.minimum(r0 + TOK, lt * lh * lw)
-    x_ptr += b.to(tl.int64) * sxb + h * sxh
-    y_ptr += b.to(tl.int64) * syb + h * syh
-    dx_ptr += b.to(tl.int64) * sdxb + h * sdxh
-    dy_ptr += b.to(tl.int64) * sdyb + h * sdyh
-    cos_ptr += b.to(tl.int64) * scb + h * sch
-    sin_ptr += b.to(tl.int64) * scb + h * sch
+    t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
+    x_ptr = _head(x_ptr, b, h, sxb, sxh)
+    y_ptr = _head(y_ptr, b, h, syb, syh)
+    dx_ptr = _head(dx_ptr, b, h, sdxb, sdxh)
+    dy_ptr = _head(dy_ptr, b, h, sdyb, sdyh)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch)
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
     base = (bh * M + m).to(tl.int64)

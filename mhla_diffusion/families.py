@@ -14,13 +14,17 @@ class Family:
     block_list: str  # attribute holding the transformer blocks; self-attention is `<block>.attn1`
     processor: type
     defaults: dict = field(default_factory=dict)  # MHLAConfig fields of the released variant
+    # pipeline arguments to sample at the asked height/width (PixArt and SANA snap to aspect-ratio bins)
+    any_size: dict = field(default_factory=dict)
 
 
 FAMILIES = (
     Family("dit", ("DiTTransformer2DModel",), "transformer_blocks", MHLAAttnProcessor),
-    Family("pixart", ("PixArtTransformer2DModel",), "transformer_blocks", MHLAAttnProcessor),
+    Family("pixart", ("PixArtTransformer2DModel",), "transformer_blocks", MHLAAttnProcessor,
+           any_size={"use_resolution_binning": False}),
     # eps as SANA's own linear attention, so blocks=(1,1,1) reproduces the original exactly.
-    Family("sana", ("SanaTransformer2DModel",), "transformer_blocks", MHLASanaAttnProcessor, {"eps": 1e-15}),
+    Family("sana", ("SanaTransformer2DModel",), "transformer_blocks", MHLASanaAttnProcessor, {"eps": 1e-15},
+           any_size={"use_resolution_binning": False}),
     # The released Wan2.1 MHLA: no normalizer, per-head RMSNorm on the output, RoPE on the numerator.
     Family("wan", ("WanTransformer3DModel",), "blocks", MHLAWanAttnProcessor, {"normalize": False, "output_norm": True}),
 )

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..families import family_by_name
+
 
 def sample(pipe, family: str, seed: int, steps: int) -> np.ndarray:
     """Images (N, H, W, 3) in [0, 1] from a tiny pipeline of `family` (video: its frames)."""
@@ -24,8 +26,8 @@ def sample(pipe, family: str, seed: int, steps: int) -> np.ndarray:
     text = dict(prompt="a photo of a red cat", max_sequence_length=16, **common)
     if family == "wan":
         return pipe(height=32, width=32, num_frames=5, **text).frames[0]
-    extra = {"complex_human_instruction": None} if family == "sana" else {}
-    return pipe(height=32, width=32, use_resolution_binning=False, **text, **extra).images
+    extra = {"complex_human_instruction": None} if family == "sana" else {}  # no long prefix for a tiny encoder
+    return pipe(height=32, width=32, **family_by_name(family).any_size, **text, **extra).images
 
 
 def side_by_side(rows: dict, path: Path, scale: int = 8) -> None:

@@ -81,8 +81,7 @@ def call_kwargs(pipe, indices, settings: SamplingSettings) -> dict:
     if not s.prompts:
         raise ValueError(f"{family} samples need prompts (a prompts file, one per line)")
     kwargs["prompt"] = [s.prompts[i % len(s.prompts)] for i in indices]
-    if family in ("pixart", "sana"):  # sample at the asked size, not snapped to a trained aspect-ratio bin
-        kwargs["use_resolution_binning"] = False
+    kwargs.update(family_of(pipe.transformer).any_size)  # the asked size, not a trained aspect-ratio bin
     kwargs.update({k: v for k, v in (("height", s.height), ("width", s.width)) if v is not None})
     if s.num_frames is not None:
         if family != "wan":

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..families import family_by_name
+
 
 @dataclass(frozen=True)
 class FamilyRecipe:
@@ -22,9 +24,9 @@ RECIPES = {
     "dit": FamilyRecipe("ddpm", text=False, video=False),
     # PixArt and SANA bin resolutions to their aspect-ratio tables at inference; validation samples
     # at the training size instead. SANA's "complex human instruction" prefix is not used in training.
-    "pixart": FamilyRecipe("ddpm", text=True, video=False, pipeline_kwargs={"use_resolution_binning": False}),
+    "pixart": FamilyRecipe("ddpm", text=True, video=False, pipeline_kwargs=family_by_name("pixart").any_size),
     "sana": FamilyRecipe("flow", text=True, video=False,
-                         pipeline_kwargs={"use_resolution_binning": False, "complex_human_instruction": None}),
+                         pipeline_kwargs={**family_by_name("sana").any_size, "complex_human_instruction": None}),
     "wan": FamilyRecipe("flow", text=True, video=True),
 }
 
