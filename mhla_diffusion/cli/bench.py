@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench_model import register_model_command
+from .profiling import kernel_profile
 
 
 def register(subparsers) -> None:
@@ -32,6 +33,7 @@ def register_op_command(commands) -> None:
     op.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     op.add_argument("--batch", type=int, default=1)
     op.add_argument("--check", action="store_true", help="first check Triton against the fp64 reference at real sizes")
+    op.add_argument("--profile", action="store_true", help="also print where the Triton call's time goes (torch.profiler)")
     op.add_argument("--json", action="store_true", help="print JSON instead of a table")
     op.set_defaults(func=run_op)
 
@@ -72,7 +74,7 @@ def _time_op(bench, fn, leaves, do, backward: bool) -> float:
     return bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
 
 
-def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float) -> dict:
+def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, profile: bool = False) -> dict:
     """Eager times of SDPA, the reference and Triton; Triton also replayed from a CUDA graph (GPU time
     alone, as under torch.compile with CUDA graphs), since eager calls can be bound by Python launch cost."""
     from triton.testing import do_bench, do_bench_cudagraph
@@ -108,6 +110,11 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float) 
             row[f"triton_graph_{key}_ms"], row["graph_error"] = math.nan, str(err).splitlines()[0]
         row[f"triton_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_{key}_ms"]
         row[f"triton_graph_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_graph_{key}_ms"]
+    if profile:
+        for backward, what in ((False, "forward"), (True, "forward+backward")):
+            fn = mhla("triton")
+            call = (lambda: fn(*leaves).backward(do)) if backward else (lambda: fn(*[t.detach() for t in leaves]))
+            print(f"--- profile: {shape.name}, Triton {what} ---\n{kernel_profile(call)}", flush=True)
     return row
 
 
@@ -154,7 +161,7 @@ def run_op(args: argparse.Namespace) -> int:
         report["check"] = run_checks()
     report["bandwidth_Bps"] = bandwidth = _copy_bandwidth(do_bench)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
-    report["rows"] = [bench_shape(s, dtype, args.batch, bandwidth) for s in shapes]
+    report["rows"] = [bench_shape(s, dtype, args.batch, bandwidth, args.profile) for s in shapes]
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from .profiling import kernel_profile
+
 # (latent channels, spatial VAE factor, temporal VAE factor or None for images, default resolution)
 LATENTS = {
     "dit-xl-2": (4, 8, None, "512"),
@@ -88,6 +90,9 @@ def run_model(args) -> int:
             inputs = model_inputs(family, latent, batch, "cuda", torch.bfloat16)
             with torch.inference_mode():
                 ms, gb = timed(lambda: fwd(**inputs, return_dict=False), args.warmup, args.iters)
+                if args.profile and batch == 1:
+                    print(f"--- profile: {name}{' (compiled)' if args.compile else ''}, forward ---")
+                    print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
             rows.append(dict(family=family, resolution=resolution, frames=args.frames if len(latent) == 4 else 1,
                              tokens=_tokens(model, latent), attention=name, what=what, compile=args.compile,
                              ms=round(ms, 2), peak_gb=round(gb, 2)))
@@ -124,6 +129,7 @@ def register_model_command(commands) -> None:
     p.add_argument("--layers", nargs="+", default=["all", "hybrid"], choices=["all", "hybrid"], help="MHLA variants to time (hybrid: every 3rd layer keeps softmax)")
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
     p.add_argument("--no-cfg", action="store_true", help="skip the batch-2 CFG step")
+    p.add_argument("--profile", action="store_true", help="also print where one forward's time goes (torch.profiler)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", action="store_true")

@@ -1,0 +1,32 @@
+"""`--profile` of the bench commands: where one call's time goes, from torch.profiler.
+
+A speed target that is missed should be explained by measurement: this prints, per call, the
+wall time, the GPU busy time (sum of kernel times) and the kernels and CPU ops that take it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def kernel_profile(fn, calls: int = 3, top: int = 15) -> str:
+    """Profile `calls` calls of `fn` (after one warm-up) and return a printable report."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / calls
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / calls
+    head = (f"per call: wall {wall_ms:.3f} ms, GPU busy {gpu_ms:.3f} ms "
+            f"({'GPU' if gpu_ms > 0.8 * wall_ms else 'CPU/launch'}-bound); times below are totals over {calls} calls")
+    by_gpu = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+    return f"{head}\n-- by GPU time --\n{by_gpu}\n-- by CPU time --\n{by_cpu}"
