@@ -70,10 +70,8 @@ class MHLAProcessorBase(nn.Module):
         mix = self.mixing(blocks, q.device)
         rope = rope if c.rope == "numerator" else None
         out = mhla_attention(q, k, v, mix, grid, blocks, normalize=c.normalize, eps=c.eps, feature=c.feature, rope=rope)
-        if self.norm_gain is not None:
-            out32 = out.float()
-            out32 = out32 * torch.rsqrt(out32.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_gain.float()
-            out = out32.to(out.dtype)
+        if self.norm_gain is not None:  # fused RMSNorm (fp32 inside): one pass, not six, over a large output
+            out = F.rms_norm(out, (out.shape[-1],), eps=1e-6) * self.norm_gain.to(out.dtype)
         out = out.flatten(2)
         if self.gate is not None:
             out = out * F.silu(self.gate(layer_input)).to(out.dtype)

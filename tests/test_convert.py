@@ -105,6 +105,27 @@ def test_legacy_processor_matches_dense_mhla_inside_dit():
     torch.testing.assert_close(seen["out"], attn.to_out[0](o), rtol=1e-6, atol=1e-8)
 
 
+def test_wan_processor_matches_dense_mhla_with_rope_norm_and_gate():
+    """Wan's processor: q/k norms, RoPE on the numerator, no normalizer, per-head RMSNorm gain, SiLU gate."""
+    model = zoo.build_transformer("wan").double()
+    md.convert(model, md.default_config(model, blocks=(1, 2, 2), output_gate=True))
+    attn = model.blocks[0].attn1
+    with torch.no_grad():  # a non-trivial gain and gate, so both are checked
+        attn.processor.norm_gain.uniform_(0.5, 1.5)
+        attn.processor.gate.weight.normal_(0, 0.1)
+    seen = {}
+    attn.register_forward_hook(lambda m, a, out: seen.update(x=a[0], rope=a[3], out=out))
+    run(model, "wan", 4, batch=1, frames=2)
+    x, rope = seen["x"], seen["rope"]
+    q, k, v = (p(x) for p in (attn.to_q, attn.to_k, attn.to_v))
+    q, k, v = (t.view(1, -1, 2, 12) for t in (attn.norm_q(q), attn.norm_k(k), v))
+    mix = attn.processor.mixing((1, 2, 2)).double()
+    o = dense_mhla(q, k, v, mix, (2, 2, 2), (1, 2, 2), normalize=False, rope=rope)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * attn.processor.norm_gain
+    o = o.flatten(2) * torch.nn.functional.silu(attn.processor.gate(x))
+    torch.testing.assert_close(seen["out"], attn.to_out[0](o), rtol=1e-6, atol=1e-8)
+
+
 def test_bf16_cfg_batch_and_gradient_checkpointing():
     model = zoo.build_transformer("pixart")
     md.convert(model)
