@@ -26,3 +26,13 @@ def test_errors(argv, message, capsys, monkeypatch):
         monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_profile_report_names_the_ops_of_a_call():
+    import torch
+
+    from mhla_diffusion.cli.profiling import kernel_profile
+
+    a = torch.randn(64, 64)
+    report = kernel_profile(lambda: (a @ a).softmax(-1), calls=2)
+    assert report.startswith("per call: wall ") and "aten::mm" in report and "aten::softmax" in report

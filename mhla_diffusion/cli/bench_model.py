@@ -83,7 +83,7 @@ def run_model(args) -> int:
         set_attn_processor(model, dict(original))
         if layers is not None:
             convert(model, default_config(model, layers="all" if layers == "all" else "hybrid:3"))
-        fwd = torch.compile(model) if args.compile else model
+        fwd = torch.compile(model, mode=args.compile) if args.compile else model
         for batch, what in ((1, "forward"), (2, "CFG step (batch 2)")):
             if what.startswith("CFG") and args.no_cfg:
                 continue
@@ -91,7 +91,7 @@ def run_model(args) -> int:
             with torch.inference_mode():
                 ms, gb = timed(lambda: fwd(**inputs, return_dict=False), args.warmup, args.iters)
                 if args.profile and batch == 1:
-                    print(f"--- profile: {name}{' (compiled)' if args.compile else ''}, forward ---")
+                    print(f"--- profile: {name}{_compiled(args.compile)}, forward ---")
                     print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
             rows.append(dict(family=family, resolution=resolution, frames=args.frames if len(latent) == 4 else 1,
                              tokens=_tokens(model, latent), attention=name, what=what, compile=args.compile,
@@ -109,8 +109,12 @@ def run_model(args) -> int:
               f"{torch.cuda.get_device_name()}, {time.perf_counter() - t0:.0f}s")
         print("| attention | what | ms | speedup | peak GB |\n|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['attention']}{' (compiled)' if r['compile'] else ''} | {r['what']} | {r['ms']} | {r['speedup']}x | {r['peak_gb']} |")
+            print(f"| {r['attention']}{_compiled(r['compile'])} | {r['what']} | {r['ms']} | {r['speedup']}x | {r['peak_gb']} |")
     return 0
+
+
+def _compiled(mode) -> str:
+    return f" (compiled, {mode})" if mode else ""
 
 
 def _tokens(model, latent) -> int:
@@ -127,7 +131,8 @@ def register_model_command(commands) -> None:
     p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p or 720p for Wan (default per family)")
     p.add_argument("--frames", type=int, default=81, help="video frames (Wan), 4k+1")
     p.add_argument("--layers", nargs="+", default=["all", "hybrid"], choices=["all", "hybrid"], help="MHLA variants to time (hybrid: every 3rd layer keeps softmax)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the transformer")
+    p.add_argument("--compile", nargs="?", const="default", choices=["default", "reduce-overhead", "max-autotune"],
+                   help="torch.compile the transformer (mode; reduce-overhead replays CUDA graphs)")
     p.add_argument("--no-cfg", action="store_true", help="skip the batch-2 CFG step")
     p.add_argument("--profile", action="store_true", help="also print where one forward's time goes (torch.profiler)")
     p.add_argument("--warmup", type=int, default=2)

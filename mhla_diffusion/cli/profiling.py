@@ -15,13 +15,15 @@ def kernel_profile(fn, calls: int = 3, top: int = 15) -> str:
     """Profile `calls` calls of `fn` (after one warm-up) and return a printable report."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        sync()
         wall_ms = (time.perf_counter() - start) * 1e3 / calls
     events = prof.key_averages()
     gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / calls
