@@ -45,9 +45,15 @@ class MixingMatrices(nn.Module):
     def add(self, blocks, device=None) -> nn.Parameter:
         key = block_key(blocks)
         if key not in self.logits:
-            init = initial_mix(blocks, self.mix_init).clamp_min(FLOOR).log()
-            self.logits[key] = nn.Parameter(init.to(device=device, dtype=torch.float32))
+            self._create(key, blocks, device)
         return self.logits[key]
+
+    @torch.compiler.disable
+    def _create(self, key: str, blocks, device) -> None:
+        """A new Parameter is a side effect: made eagerly, never traced into a compiled graph
+        (torch.compile breaks the graph once here, then recompiles with the matrix in place)."""
+        init = initial_mix(blocks, self.mix_init).clamp_min(FLOOR).log()
+        self.logits[key] = nn.Parameter(init.to(device=device, dtype=torch.float32))
 
     def forward(self, blocks, device=None) -> torch.Tensor:
         """The (M, M) fp32 mixing matrix for `blocks`."""

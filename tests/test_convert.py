@@ -6,7 +6,9 @@ import torch
 import mhla_diffusion as md
 from mhla_diffusion import zoo
 from mhla_diffusion.conversion import mhla_modules
+from mhla_diffusion.blocks import auto_blocks
 from mhla_diffusion.families import self_attentions
+from mhla_diffusion.mixing import block_key
 
 from dense import dense_mhla
 
@@ -158,6 +160,28 @@ def test_auto_blocks_learn_a_matrix_per_resolution_and_reload(tmp_path):
     expected = run(model, "wan", 16, frames=5)
     model.save_pretrained(tmp_path)
     torch.testing.assert_close(run(md.from_pretrained(tmp_path), "wan", 16, frames=5), expected, rtol=0, atol=0)
+
+
+def test_torch_compile_of_converted_transformers():
+    """fullgraph compile (no graph break in the MHLA processors) matches eager; a new resolution under
+    blocks="auto" creates its matrix outside the compiled graph and still matches eager."""
+    torch._dynamo.reset()
+    wan = zoo.build_transformer("wan").eval()
+    md.convert(wan)
+    with torch.no_grad():
+        eager = run(wan, "wan", 4)  # first: creates the matrices of this grid (fullgraph forbids it in the graph)
+        compiled = torch.compile(wan, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(**inputs("wan", 4), return_dict=False)[0], eager)
+        dit = zoo.build_transformer("dit").eval()
+        md.convert(dit)
+        mixing = dit.transformer_blocks[0].attn1.processor.mixing
+        new_key = block_key(auto_blocks((1, 8, 8)))
+        assert new_key not in mixing.logits
+        compiled = torch.compile(dit, backend="aot_eager")
+        out = compiled(**inputs("dit", 16), return_dict=False)[0]  # 8 x 8 tokens: a grid not seen at convert time
+        assert new_key in mixing.logits
+        torch.testing.assert_close(out, run(dit, "dit", 16))
+        torch.testing.assert_close(compiled(**inputs("dit", 16), return_dict=False)[0], out)
 
 
 def test_mixing_stays_row_stochastic_after_steps():

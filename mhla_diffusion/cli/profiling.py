@@ -13,6 +13,7 @@ import torch
 
 def kernel_profile(fn, calls: int = 3, top: int = 15) -> str:
     """Profile `calls` calls of `fn` (after one warm-up) and return a printable report."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -26,7 +27,8 @@ def kernel_profile(fn, calls: int = 3, top: int = 15) -> str:
         sync()
         wall_ms = (time.perf_counter() - start) * 1e3 / calls
     events = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / calls
+    # kernels are counted once, under the CPU op that launched them (as the table's own total does)
+    gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CPU) / 1e3 / calls
     head = (f"per call: wall {wall_ms:.3f} ms, GPU busy {gpu_ms:.3f} ms "
             f"({'GPU' if gpu_ms > 0.8 * wall_ms else 'CPU/launch'}-bound); times below are totals over {calls} calls")
     by_gpu = events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60)
