@@ -45,6 +45,8 @@ class Shape:
     d: int
     grid: tuple
     blocks: object = "auto"
+    rope: bool = False  # Wan's 3D RoPE tables (1, N, 1, D), fp32, rotating the numerator
+    normalize: bool = True
 
 
 SHAPES = [
@@ -55,6 +57,7 @@ SHAPES = [
     Shape("SANA-1.6B-like 4K 20x112", 20, 112, (1, 128, 128)),
     Shape("DiT-S/2 4096px", 6, 64, (1, 256, 256)),
     Shape("Wan2.1-1.3B 480p", 12, 128, (21, 30, 52), (3, 4, 5)),
+    Shape("Wan2.1-1.3B 480p RoPE unnorm", 12, 128, (21, 30, 52), (3, 4, 5), rope=True, normalize=False),
     Shape("Wan2.1-14B 720p", 40, 128, (21, 45, 80), (3, 5, 8)),
 ]
 
@@ -86,6 +89,8 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
     n, m = math.prod(shape.grid), math.prod(blocks)
     q, k, v, do = (torch.randn(batch, n, shape.heads, shape.d, device="cuda", dtype=dtype) for _ in range(4))
     mix = locality_mix(blocks).float().cuda()
+    angles = torch.rand(1, n, 1, shape.d // 2, device="cuda").repeat_interleave(2, dim=-1) * 6.28
+    rope = (angles.cos(), angles.sin()) if shape.rope else None
     row_bytes = q.numel() * q.element_size()
     leaves = [t.requires_grad_() for t in (q, k, v, mix)]
 
@@ -94,7 +99,8 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
         return out.transpose(1, 2)
 
     def mhla(backend):
-        return lambda q, k, v, mix: mhla_attention(q, k, v, mix, shape.grid, blocks, backend=backend)
+        return lambda q, k, v, mix: mhla_attention(q, k, v, mix, shape.grid, blocks, rope=rope, normalize=shape.normalize,
+                                                     backend=backend)
 
     row = {"shape": shape.name, "N": n, "heads": shape.heads, "D": shape.d, "blocks": list(blocks), "M": m,
            "blocks_chosen": "auto" if shape.blocks == "auto" else "fixed",
