@@ -136,7 +136,7 @@ def _summary_kernel(
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
     WITH_Z: tl.constexpr, ATOMIC: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_s, pid_t, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_t // (D_TILES * DV_TILES)
     dt = (pid_t // DV_TILES) % D_TILES
     vt = pid_t % DV_TILES
@@ -189,7 +189,7 @@ def _output_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_s, pid_t, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m, vt = pid_t // DV_TILES, pid_t % DV_TILES
     b, h = bh // heads, bh % heads
     t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
@@ -225,7 +225,7 @@ def _grad_kernel(
     ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr, WITH_DY: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_s, m, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh, m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
     t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
     x_ptr = _head(x_ptr, b, h, sxb, sxh)
@@ -382,7 +382,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     z = alloc((g.BH, g.M, g.D), device=x.device, dtype=torch.float32)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    _summary_kernel[(splits, g.M * d_tiles * dv_tiles, g.BH)](
+    _summary_kernel[(g.BH, g.M * d_tiles * dv_tiles, splits)](
         x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, s, z,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
         g.heads, g.N, g.M, *g.args, g.D, g.DV, tok,
@@ -409,7 +409,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
     dot, precision = _dot_types(q.dtype)
-    _output_kernel[(triton.cdiv(g.max_len, tok), g.M * dv_tiles, g.BH)](
+    _output_kernel[(g.BH, g.M * dv_tiles, triton.cdiv(g.max_len, tok))](
         q, cos, sin, mixed_s, mixed_z, o,
         q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
         g.heads, g.M, *g.args, g.D, g.DV, tok, eps,
@@ -434,7 +434,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
     c = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    _grad_kernel[(triton.cdiv(g.max_len, tok), g.M, g.BH)](
+    _grad_kernel[(g.BH, g.M, triton.cdiv(g.max_len, tok))](
         x, y, cos, sin, mat, vec, dx, dy, rden, c,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
         dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
