@@ -2,7 +2,8 @@
 
 Run through `mhla-diffusion bench op --check`. For each case: fresh random inputs, output and
 gradient buffers poisoned with NaN beforehand (the caching allocator hands the poisoned blocks
-back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix, and no NaN/Inf.
+back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix and of the
+no-grad forward (the dense kernel at small N), and no NaN/Inf.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     ref.backward(do.double())
     errors = {"o": _rel(o, ref)}
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
+    _poison(outs[:1], device)
+    with torch.no_grad():  # inference: the dense kernel up to op.DENSE_MAX_TOKENS, the linear path above
+        o = mhla_attention_triton(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
+                                  **kwargs)
+    errors["o no-grad"] = _rel(o, ref.detach())
     worst = max(errors.values())
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": n, "M": m, "heads": heads, "D": d,
             "Dv": dv, "errors": errors, "worst": worst, "ok": worst < TOLERANCE[dtype]}

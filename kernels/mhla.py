@@ -13,6 +13,12 @@ bounds and raster indices are computed in the kernel; nothing is permuted or cop
 
 Mixing across blocks (S~ = mix @ S, dS = mix^T dS~) is a batched matmul in PyTorch; dmix, a
 sum of block Gram matrices over batch, heads and D x Dv, is a fourth kernel, `_gram_kernel`.
+
+Small token counts, forward without autograd: `_dense_kernel` evaluates the same output from
+the dense formula, o_n = sum_j Mc[b(n), b(j)] (rope(phi(q_n)) . rope(phi(k_j))) v_j [/ den_n], in
+query x key tiles as flash attention does (O(N^2 D) work, O(N) memory, one launch). Below a few
+thousand tokens that beats the linear path, whose 4 launches of tiny latency-bound programs
+cost more than the arithmetic they save.
 Summaries are fp32 (B*heads, M, D, Dv); every accumulation is fp32.
 `reference_*` beside each launcher is the plain PyTorch meaning of that kernel, for tests.
 """
@@ -93,6 +99,15 @@ def _raster(r, t0, h0, w0, lh, lw, H, W):
 
 
 @triton.jit
+def _block_of(n, T, H, W, NBT, NBH, NBW):
+    """Block id of raster tokens n: per axis the i with floor(iL/nb) <= pos < floor((i+1)L/nb)."""
+    it = ((n // (H * W) + 1) * NBT - 1) // T
+    ih = (((n // W) % H + 1) * NBH - 1) // H
+    iw = ((n % W + 1) * NBW - 1) // W
+    return (it * NBH + ih) * NBW + iw
+
+
+@triton.jit
 def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1):
     return tl.load(ptr + n[:, None] * sn + d[None, :] * sd, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(
         tl.float32
@@ -150,7 +165,7 @@ def _summary_kernel(
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
     acc = tl.zeros((BLOCK_D, BLOCK_DV), tl.float32)
-    zacc = tl.zeros((BLOCK_D, 16), tl.float32)
+    zacc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)  # z per token row, summed once at the end
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
@@ -160,17 +175,16 @@ def _summary_kernel(
         if SCALE_Y:
             y = y * tl.load(ys_ptr + bh * N + n, mask=mask_n, other=0.0)[:, None]
         acc += tl.dot(tl.trans(rx.to(DOT)), y.to(DOT), input_precision=PRECISION)
-        if WITH_Z:  # z += phi(x)^T w as a thin product (column 0 of w), not a cross-thread sum per tile
-            w = tl.where(mask_n, 1.0, 0.0)
+        if WITH_Z:  # elementwise in fx's own layout: no fp32 product, no layout change, no reduction per tile
             if WEIGHT_Z:
-                w = tl.load(zw_ptr + bh * N + n, mask=mask_n, other=0.0)
-            w = tl.where(tl.arange(0, 16)[None, :] == 0, w[:, None], 0.0)
-            zacc += tl.dot(tl.trans(fx), w, input_precision="ieee")
+                zacc += fx * tl.load(zw_ptr + bh * N + n, mask=mask_n, other=0.0)[:, None]
+            else:
+                zacc += fx  # zero outside the block's tokens already
     base = (bh * M + m).to(tl.int64)
     s_off = (base * D + d[:, None]) * DV + e[None, :]
     s_mask = mask_d[:, None] & mask_e[None, :] & (r0 < r1)
     z_mask = mask_d & (r0 < r1) & (vt == 0)
-    zacc = tl.sum(zacc, axis=1)
+    zacc = tl.sum(zacc, axis=0)
     if ATOMIC:
         tl.atomic_add(s_ptr + s_off, acc, mask=s_mask)
         if WITH_Z:
@@ -279,6 +293,52 @@ def _grad_kernel(
 
 
 @triton.jit
+def _dense_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, mix_ptr, o_ptr,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, scb, scn, sch, scd, sob, son, soh,
+    heads, N, M, T, H, W, NBT, NBH, NBW, D, DV, eps,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    bh, pid_q = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    q_ptr = _head(q_ptr, b, h, sqb, sqh)
+    k_ptr = _head(k_ptr, b, h, skb, skh)
+    v_ptr = _head(v_ptr, b, h, svb, svh)
+    o_ptr = _head(o_ptr, b, h, sob, soh)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch)
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    mask_d, mask_e = d < D, e < DV
+    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    mask_n = n < N
+    fq, rq = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n.to(tl.int64), mask_n, d, mask_d,
+                       BLOCK_Q, BLOCK_D, ELU, ROPE)
+    rows = _block_of(n, T, H, W, NBT, NBH, NBW) * M  # this tile's rows of the mixing matrix
+    acc = tl.zeros((BLOCK_Q, BLOCK_DV), tl.float32)
+    den = tl.zeros((BLOCK_Q,), tl.float32)
+    for j0 in range(0, N, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        mask_j = j < N
+        fk, rk = _features(k_ptr, skn, cos_ptr, sin_ptr, scn, scd, j.to(tl.int64), mask_j, d, mask_d,
+                           BLOCK_K, BLOCK_D, ELU, ROPE)
+        w = tl.load(mix_ptr + rows[:, None] + _block_of(j, T, H, W, NBT, NBH, NBW)[None, :],
+                    mask=mask_n[:, None] & mask_j[None, :], other=0.0)
+        a = tl.dot(rq.to(DOT), tl.trans(rk.to(DOT)), input_precision=PRECISION) * w
+        y = _load_rows(v_ptr, j.to(tl.int64), svn, mask_j, e, mask_e)
+        acc += tl.dot(a.to(DOT), y.to(DOT), input_precision=PRECISION)
+        if NORMALIZE:
+            if ROPE:  # the normalizer sees unrotated features
+                a = tl.dot(fq.to(DOT), tl.trans(fk.to(DOT)), input_precision=PRECISION) * w
+            den += tl.sum(a, axis=1)
+    if NORMALIZE:
+        acc = acc / (den + eps)[:, None]
+    tl.store(o_ptr + n.to(tl.int64)[:, None] * son + e[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & mask_e[None, :])
+
+
+@triton.jit
 def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """out[i, j] += sum over (bh, f) of a[bh, i, f] b[bh, j, f], f split over programs.
@@ -358,6 +418,7 @@ CONFIG = {
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024},
     "grad": {"block_n": 128, "num_warps": 8, "num_stages": 1, "programs": 1024},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
+    "dense": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
 }
 
 
@@ -414,6 +475,27 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
         q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
         g.heads, g.M, *g.args, g.D, g.DV, tok, eps,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
+        ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o
+
+
+def dense_output(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
+    """The whole forward from the dense formula, tile by tile (no summaries, one launch)."""
+    cfg = dict(CONFIG["dense"])
+    block_d, block_dv = _pow2(g.D), _pow2(g.DV)
+    if q.dtype == torch.float32 or max(block_d, block_dv) > MAX_TILE:  # shared memory and registers
+        cfg.update(block_q=32, block_k=32, num_warps=8, num_stages=1)
+    o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=v.dtype)
+    cos, sin, cs = _rope_args(rope, g, q)
+    dot, precision = _dot_types(q.dtype)
+    _dense_kernel[(g.BH, triton.cdiv(g.N, cfg["block_q"]))](
+        q, k, v, cos, sin, mix.float().contiguous(), o,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
+        g.heads, g.N, g.M, *g.args, g.D, g.DV, eps,
+        BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"], BLOCK_D=block_d, BLOCK_DV=block_dv,
         ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -1,7 +1,8 @@
-"""The Triton MHLA path as a torch custom op, so autograd and torch.compile see one opaque node.
+"""The Triton MHLA path as torch custom ops, so autograd and torch.compile see one opaque node.
 
-Forward returns (o, S, z); S, z (fp32 per-block summaries) are the only state the backward
+`mhla_fwd` returns (o, S, z); S, z (fp32 per-block summaries) are the only state the backward
 keeps besides the inputs. Gradients flow to q, k, v and mix; RoPE tables get none.
+`mhla_dense` is the forward-only small-N kernel, taken when no gradient is needed.
 """
 
 import os
@@ -13,6 +14,9 @@ from . import mhla
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# Forward calls that need no gradient take the one-launch dense kernel up to this many tokens
+# (BENCHMARKS.md, "small-N dense kernel": where it stops beating the linear path on an H200).
+DENSE_MAX_TOKENS = 4096
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
@@ -73,6 +77,23 @@ def _(do, q, k, v, mix, s, z, cos, sin, grid, blocks, normalize, eps, feature):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(mix)
 
 
+@torch.library.custom_op("mhla_diffusion::mhla_dense", mutates_args=())
+def mhla_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    grid: list[int], blocks: list[int], normalize: bool, eps: float, feature: str,
+) -> torch.Tensor:
+    """Forward only (no autograd registered): the dispatcher uses it when no gradient is needed."""
+    g = mhla.Geometry(q, v, grid, blocks)
+    q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+    return mhla.dense_output(q, k, v, mix, _rope(cos, sin), g, elu=feature == "elu", normalize=normalize, eps=eps)
+
+
+@mhla_dense.register_fake
+def _(q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature):
+    return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature = inputs
     _, s, z = output
@@ -96,5 +117,9 @@ def mhla_attention_triton(q, k, v, mix, grid, blocks, *, normalize=True, eps=1e-
     if reason is not None:
         raise ValueError(f"backend='triton': {reason}")
     cos, sin = (None, None) if rope is None else (rope[0].detach(), rope[1].detach())
-    grid, blocks = [int(x) for x in grid], [int(x) for x in blocks]
-    return mhla_fwd(q, k, v, mix, cos, sin, grid, blocks, bool(normalize), float(eps), str(feature))[0]
+    args = (q, k, v, mix, cos, sin, [int(x) for x in grid], [int(x) for x in blocks], bool(normalize), float(eps),
+            str(feature))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mix))
+    if not needs_grad and q.shape[1] <= DENSE_MAX_TOKENS:
+        return mhla_dense(*args)
+    return mhla_fwd(*args)[0]

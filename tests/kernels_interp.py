@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from mhla_diffusion.blocks import locality_mix  # noqa: E402
 from mhla_diffusion.kernels import mhla  # noqa: E402
-from mhla_diffusion.kernels.op import mhla_fwd  # noqa: E402
+from mhla_diffusion.kernels.op import mhla_dense, mhla_fwd  # noqa: E402
 from mhla_diffusion.ops import mhla_attention  # noqa: E402
 from mhla_diffusion.reference import mhla_attention_reference  # noqa: E402
 
@@ -73,6 +73,29 @@ def op_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normali
     errors["dmix"] = rel(leaves[3].grad, ref_leaves[3].grad)
     errors["dtype"] = str(out.dtype)
     return errors
+
+
+def dense_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normalize=True, feature="relu",
+               rope=False, seed=4):
+    """Forward without autograd: `mhla_attention` must take the one-launch dense kernel and match the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    n, m = math.prod(grid), math.prod(blocks)
+    q, k = (torch.randn(batch, n, heads, d, generator=gen) for _ in range(2))
+    v = torch.randn(batch, n, heads, dv, generator=gen)
+    mix = locality_mix(blocks) + 0.1 * torch.rand(m, m, generator=gen, dtype=torch.float64)
+    tables = rope_tables(n, d, gen) if rope else None
+    kw = dict(normalize=normalize, feature=feature)
+    calls = []
+    dense_output = mhla.dense_output
+    mhla.dense_output = lambda *a, **k: calls.append(1) or dense_output(*a, **k)
+    try:
+        with torch.no_grad():
+            out = mhla_attention(*(t.to(dtype) for t in (q, k, v)), mix.float(), grid, blocks, backend="triton",
+                                 rope=None if tables is None else tuple(t.float() for t in tables), **kw)
+    finally:
+        mhla.dense_output = dense_output
+    ref = mhla_attention_reference(q.double(), k.double(), v.double(), mix, grid, blocks, rope=tables, **kw)
+    return {"o": rel(out, ref), "dense kernel taken": 0.0 if calls == [1] else math.inf, "dtype": str(out.dtype)}
 
 
 def stage_case(launch):
@@ -137,8 +160,10 @@ def opcheck_case():
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 24, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
     mix = torch.rand(4, 4, generator=gen, requires_grad=True)
-    torch.library.opcheck(mhla_fwd, (q, k, v, mix, None, None, [1, 4, 6], [1, 2, 2], True, 1e-6, "relu"),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    args = (q, k, v, mix, None, None, [1, 4, 6], [1, 2, 2], True, 1e-6, "relu")
+    torch.library.opcheck(mhla_fwd, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    detached = tuple(t.detach() if torch.is_tensor(t) else t for t in args)
+    torch.library.opcheck(mhla_dense, detached, test_utils=("test_schema", "test_faketensor"))
     return {"ok": 0.0}
 
 
@@ -149,6 +174,11 @@ CASES = {
     "rope normalized split programs": lambda: op_case((3, 4, 5), (2, 3, 2), 2, 16, 8, rope=True, launch=SPLIT),
     "D=136 Dv=72 (tiled D and Dv)": lambda: op_case((2, 3, 5), (1, 2, 2), 1, 136, 72, batch=1, feature="elu"),
     "fp16 rope": lambda: op_case((2, 5, 7), (1, 2, 3), 2, 16, 16, dtype=torch.float16, rope=True),
+    "dense ragged relu normalized": lambda: dense_case((2, 5, 7), (1, 2, 3), 2, 16, 16),
+    "dense elu rope unnormalized Dv!=D": lambda: dense_case((1, 9, 11), (1, 2, 3), 3, 24, 40, batch=1,
+                                                           normalize=False, feature="elu", rope=True),
+    "dense rope normalized D=136 Dv=72": lambda: dense_case((2, 3, 5), (1, 2, 2), 1, 136, 72, batch=1, rope=True),
+    "dense fp16": lambda: dense_case((3, 4, 5), (2, 3, 2), 2, 16, 8, dtype=torch.float16, rope=True),
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),
     "torch.compile fullgraph": compile_case,

@@ -52,6 +52,7 @@ class Shape:
 SHAPES = [
     Shape("DiT-XL/2 256px", 16, 72, (1, 16, 16)),
     Shape("DiT-XL/2 512px", 16, 72, (1, 32, 32)),
+    Shape("DiT-XL/2 1024px", 16, 72, (1, 64, 64)),
     Shape("SANA-1.6B 1K", 70, 32, (1, 32, 32)),
     Shape("SANA-1.6B 4K", 70, 32, (1, 128, 128)),
     Shape("SANA-1.6B-like 4K 20x112", 20, 112, (1, 128, 128)),
@@ -83,6 +84,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
     from triton.testing import do_bench, do_bench_cudagraph
 
     from ..blocks import locality_mix, resolve_blocks
+    from ..kernels import op
     from ..ops import mhla_attention
 
     blocks = resolve_blocks(shape.grid, shape.blocks)
@@ -116,6 +118,13 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
             row[f"triton_graph_{key}_ms"], row["graph_error"] = math.nan, str(err).splitlines()[0]
         row[f"triton_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_{key}_ms"]
         row[f"triton_graph_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_graph_{key}_ms"]
+    if n <= op.DENSE_MAX_TOKENS:  # no-grad forwards here take the dense kernel: time the linear path beside it
+        cos, sin = rope if rope else (None, None)
+
+        def linear(q, k, v, mix):
+            return op.mhla_fwd(q, k, v, mix, cos, sin, list(shape.grid), list(blocks), shape.normalize, 1e-6, "relu")[0]
+
+        row["linear_graph_fwd_ms"] = _time_op(do_bench_cudagraph, linear, leaves, do, False)
     if profile:
         for backward, what in ((False, "forward"), (True, "forward+backward")):
             fn = mhla("triton")
@@ -141,14 +150,20 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
             cells += [f"{r[f'{name}_{key}_ms']:.3f}" for name in ("floor", "sdpa", "torch", "triton", "triton_graph")]
             cells.append(f"{100 * r[f'triton_{key}_floor_frac']:.0f}, {100 * r[f'triton_graph_{key}_floor_frac']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
+    small = [r for r in rows if "linear_graph_fwd_ms" in r]
+    if small:
+        lines += ["", "Forward without gradients at small N (GPU time, CUDA graph): the dense kernel the op takes "
+                  "vs the linear path.", "", "| shape | N | dense | linear | SDPA (eager) |", "|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['N']:,} | {r['triton_graph_fwd_ms']:.3f} | {r['linear_graph_fwd_ms']:.3f} "
+                  f"| {r['sdpa_fwd_ms']:.3f} |" for r in small]
     return "\n".join(lines)
 
 
 def _check_table(results: list[dict]) -> str:
-    lines = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | ok |", "|---" * 11 + "|"]
+    lines = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | o no-grad | ok |", "|---" * 12 + "|"]
     for r in results:
         e = r["errors"]
-        errs = " | ".join(f"{e[x]:.1e}" for x in ("o", "dq", "dk", "dv", "dmix"))
+        errs = " | ".join(f"{e[x]:.1e}" for x in ("o", "dq", "dk", "dv", "dmix", "o no-grad"))
         lines.append(f"| {r['case']} | {r['dtype']} | {r['N']:,} | {r['M']} | {r['heads']} x {r['D']}/{r['Dv']} "
                      f"| {errs} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
