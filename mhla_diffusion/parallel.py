@@ -17,7 +17,6 @@ from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_reduce
 
 from .blocks import BlockLayout, block_layout, pack_blocks
 from .reference import check_inputs, mhla_blocked
@@ -48,10 +47,29 @@ def local_layout(grid, blocks, start: int, end: int, device) -> tuple[BlockLayou
     return BlockLayout(move(lay.slot_index), move(lay.token_slot), move(lay.token_block), lay.num_blocks, lay.max_len), move(ids)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group's ranks; the backward sums the gradients the same way.
+
+    (torch.distributed.nn.functional.all_reduce does this too but is deprecated in torch 2.14, and
+    the autograd of its replacement in _functional_collectives is newer than torch 2.4.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllReduceSum.apply(grad, ctx.group), None
+
+
 def _sum_over_ranks(parts, ids, num_blocks, group):
     """Partial summaries of the local blocks -> complete summaries of all blocks, in one all-reduce."""
     full = [p.new_zeros(*p.shape[:2], num_blocks, *p.shape[3:]).index_copy(2, ids, p) for p in parts]
-    flat = all_reduce(torch.cat([f.flatten(3) for f in full], dim=3), group=group)
+    flat = _AllReduceSum.apply(torch.cat([f.flatten(3) for f in full], dim=3), group)
     sizes = [math.prod(f.shape[3:]) for f in full]
     return [x.view_as(f) for x, f in zip(flat.split(sizes, dim=3), full)]
 
@@ -84,3 +102,21 @@ def context_group(parallel_config):
     """The process group over which diffusers split the sequence (its flattened ring x ulysses mesh)."""
     cp = getattr(parallel_config, "context_parallel_config", parallel_config)
     return cp._flattened_mesh.get_group()
+
+
+def comm_bytes(num_tokens, heads, head_dim, num_blocks, ranks, *, normalize=False, batch=1, act_bytes=2, summary_bytes=4):
+    """Bytes one rank sends per attention layer and forward pass, by scheme, for P = `ranks`.
+
+    ulysses: all-to-all of the local q, k, v and the output (heads must divide by P);
+    ring: the local k, v passed to the P - 1 other ranks (ring FlashAttention);
+    mhla: ring all-reduce of B * heads * M * (D*D [+ D]) summaries, kept in their fp32
+    accumulation dtype (summary_bytes=4) while activations are bf16 (act_bytes=2).
+    """
+    p = ranks
+    local = batch * num_tokens / p * heads * head_dim  # values in one rank's q (or k, v, out)
+    summaries = batch * heads * num_blocks * (head_dim * head_dim + head_dim * bool(normalize))
+    return {
+        "ulysses": 4 * local * (p - 1) / p * act_bytes,
+        "ring": 2 * local * (p - 1) * act_bytes,
+        "mhla": 2 * (p - 1) / p * summaries * summary_bytes,
+    }

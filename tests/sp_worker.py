@@ -64,7 +64,7 @@ def check(family, world):
     self_attentions(model)[0].register_forward_pre_hook(record, with_kwargs=True)
     enable_context_parallel(model, ContextParallelConfig(ring_degree=world, ring_anything=True))
     out, grads, x_grad = step(model, kwargs)
-    for grad in [*grads.values(), x_grad]:  # replicated parameters: per-rank grads add up, as DDP would
+    for grad in [*grads.values(), x_grad]:  # replicated parameters: the per-rank grads add up to the full ones
         dist.all_reduce(grad)
     counts = [None] * world
     dist.all_gather_object(counts, seen)

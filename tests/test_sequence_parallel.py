@@ -14,9 +14,9 @@ import torch
 
 from mhla_diffusion import zoo
 import mhla_diffusion as md
-from mhla_diffusion.blocks import block_layout
+from mhla_diffusion.blocks import auto_blocks, block_layout
 from mhla_diffusion.context_parallel import cp_plan, enable_context_parallel
-from mhla_diffusion.parallel import local_layout, token_range
+from mhla_diffusion.parallel import comm_bytes, local_layout, token_range
 
 from sp_worker import CASES
 
@@ -79,3 +79,44 @@ def test_plans_and_refusals():
     md.convert(dit, md.default_config(dit, layers="hybrid:3"))
     with pytest.raises(ValueError, match="layer 2 uses AttnProcessor2_0"):
         enable_context_parallel(dit, None)
+
+
+def comm_rows():
+    """The README's communication table, from `comm_bytes` (Wan2.1 configs of DIFFUSERS_NOTES)."""
+    mib = 2**20
+    rows = []
+    for name, grid, heads in [("Wan2.1-1.3B 480p x 81", (21, 30, 52), 12), ("Wan2.1-14B 720p x 81", (21, 45, 80), 40)]:
+        n, m_auto = math.prod(grid), math.prod(auto_blocks(grid))
+        for ranks in (2, 4, 8):
+            c, a = comm_bytes(n, heads, 128, 150, ranks), comm_bytes(n, heads, 128, m_auto, ranks)
+            rows.append(f"| {name} ({n:,} tokens) | {ranks} | {c['ulysses'] / mib:.1f} | {c['ring'] / mib:.1f} "
+                        f"| {c['mhla'] / mib:.1f} | {a['mhla'] / mib:.1f} (M = {m_auto}) |")
+    return rows
+
+
+def test_comm_bytes_and_readme_table():
+    c = comm_bytes(num_tokens=8, heads=1, head_dim=2, num_blocks=2, ranks=2, normalize=True)
+    assert c == {"ulysses": 4 * 8.0 * 0.5 * 2, "ring": 2 * 8.0 * 1 * 2, "mhla": 1.0 * 2 * (4 + 2) * 4}
+    readme = (ROOT / "README.md").read_text()
+    missing = [row for row in comm_rows() if row not in readme]
+    assert not missing, "README's sequence-parallel table is stale; regenerate it:\n" + "\n".join(comm_rows())
+
+
+def test_one_rank_group_equals_reference_and_rejects_wrong_slices(tmp_path):
+    import torch.distributed as dist
+
+    from mhla_diffusion.parallel import mhla_attention_sharded
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        grid, blocks = (3, 4, 5), (2, 2, 2)
+        q, k, v = (torch.randn(2, 60, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+        mix = torch.rand(8, 8, generator=g, dtype=torch.float64)
+        group = dist.group.WORLD
+        expected = md.mhla_attention(q, k, v, mix, grid, blocks, normalize=True)
+        torch.testing.assert_close(mhla_attention_sharded(q, k, v, mix, grid, blocks, group, normalize=True), expected)
+        with pytest.raises(ValueError, match=r"rank 0 of 1 got 59, 59, 59 q, k, v tokens.*\[0, 60\)"):
+            mhla_attention_sharded(q[:, 1:], k[:, 1:], v[:, 1:], mix, grid, blocks, group)
+    finally:
+        dist.destroy_process_group()
