@@ -32,19 +32,17 @@ def token_range(num_tokens: int, world: int, rank: int) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=64)
-def _local_layout_cpu(grid, blocks, start: int, end: int) -> tuple[BlockLayout, torch.Tensor]:
+def _local_layout(grid, blocks, start: int, end: int, device: torch.device) -> tuple[BlockLayout, torch.Tensor]:
     token_block = block_layout(grid, blocks).token_block[start:end]
     ids = torch.unique(token_block)  # sorted global ids of the blocks the slice touches
-    return pack_blocks(torch.searchsorted(ids, token_block), ids.numel()), ids
+    lay = pack_blocks(torch.searchsorted(ids, token_block), ids.numel())
+    move = lambda x: x.to(device)  # noqa: E731
+    return BlockLayout(move(lay.slot_index), move(lay.token_slot), move(lay.token_block), lay.num_blocks, lay.max_len), move(ids)
 
 
 def local_layout(grid, blocks, start: int, end: int, device) -> tuple[BlockLayout, torch.Tensor]:
-    """The block layout of tokens [start, end) of `grid`, and the global ids of its blocks."""
-    lay, ids = _local_layout_cpu(grid, blocks, start, end)
-    if torch.device(device).type == "cpu":
-        return lay, ids
-    move = lambda x: x.to(device)  # noqa: E731
-    return BlockLayout(move(lay.slot_index), move(lay.token_slot), move(lay.token_block), lay.num_blocks, lay.max_len), move(ids)
+    """The block layout of tokens [start, end) of `grid`, and the global ids of its blocks (cached per device)."""
+    return _local_layout(tuple(grid), tuple(blocks), start, end, torch.device(device))
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -5,7 +5,7 @@
 Each rank builds the same tiny converted model, runs one forward and backward in one process
 (the reference), then again under context parallelism (gloo) on its token slice. Rank 0 writes
 the relative errors of the output and of the rank-summed parameter and input gradients, and
-the token counts each rank's first self-attention saw.
+the token counts each rank's first self-attention saw; the gradients again with gradient checkpointing.
 """
 
 import json
@@ -64,7 +64,9 @@ def check(family, world):
     self_attentions(model)[0].register_forward_pre_hook(record, with_kwargs=True)
     enable_context_parallel(model, ContextParallelConfig(ring_degree=world, ring_anything=True))
     out, grads, x_grad = step(model, kwargs)
-    for grad in [*grads.values(), x_grad]:  # replicated parameters: the per-rank grads add up to the full ones
+    model.enable_gradient_checkpointing()  # the backward recomputes each block, all-reduce included
+    ckpt_grads = step(model, kwargs)[1]
+    for grad in [*grads.values(), *ckpt_grads.values(), x_grad]:  # replicated parameters: per-rank grads add up
         dist.all_reduce(grad)
     counts = [None] * world
     dist.all_gather_object(counts, seen)
@@ -76,8 +78,10 @@ def check(family, world):
         # a zero gradient in exact arithmetic, so its fp32 gradient is rounding noise
         "grads": max(rel(grads[n], ref_grads[n], 1e-2 * scale) for n in ref_grads),
         "worst": sorted((rel(grads[n], ref_grads[n], 1e-2 * scale), n) for n in ref_grads)[-3:],
+        "checkpointed_grads": max(rel(ckpt_grads[n], ref_grads[n], 1e-2 * scale) for n in ref_grads),
         "input_grad": rel(x_grad, ref_x),
         "tokens_seen": [c[0] for c in counts],
+        "layer0_calls": [len(c) for c in counts],  # 3: the plain step, and the checkpointed one's forward and recompute
     }
 
 
