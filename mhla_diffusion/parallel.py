@@ -84,8 +84,8 @@ def mhla_attention_sharded(q, k, v, mix, grid, blocks, group, *, normalize=True,
     start, end = token_range(num_tokens, world, rank)
     if any(x.shape[1] != end - start for x in (q, k, v)):
         raise ValueError(
-            f"rank {rank} of {world} got {q.shape[1]}, {k.shape[1]}, {v.shape[1]} q, k, v tokens, but its slice of the {num_tokens}-token grid {tuple(grid)} "
-            f"is [{start}, {end}); the sequence must be split contiguously as torch.tensor_split does "
+            f"rank {rank} of {world} got {q.shape[1]}, {k.shape[1]}, {v.shape[1]} q, k, v tokens, but its slice of the "
+            f"{num_tokens}-token grid {tuple(grid)} is [{start}, {end}); the sequence must be split contiguously as torch.tensor_split does "
             "(diffusers' context parallelism with ring_anything or ulysses_anything for any N)"
         )
     whole = lambda x: x.new_empty(()).expand(x.shape[0], num_tokens, *x.shape[2:])  # noqa: E731  (shapes only)
