@@ -95,23 +95,26 @@ class BlockLayout:
     max_len: int
 
 
+def pack_blocks(token_block: torch.Tensor, num_blocks: int) -> BlockLayout:
+    """The layout of tokens (in raster order) whose block ids are `token_block`, ids < num_blocks."""
+    order = torch.argsort(token_block, stable=True)  # raster order inside each block
+    counts = torch.bincount(token_block, minlength=num_blocks)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(token_block)
+    rank[order] = torch.arange(token_block.numel()) - starts[token_block[order]]
+    max_len = int(counts.max())
+    slot_index = torch.full((num_blocks, max_len), token_block.numel(), dtype=torch.long)
+    slot_index[token_block, rank] = torch.arange(token_block.numel())
+    return BlockLayout(slot_index, token_block * max_len + rank, token_block, num_blocks, max_len)
+
+
 @lru_cache(maxsize=64)
 def _layout_cpu(grid: Grid, blocks: Grid) -> BlockLayout:
     T, H, W = grid
     t, h, w = torch.meshgrid(torch.arange(T), torch.arange(H), torch.arange(W), indexing="ij")
     bt, bh, bw = blocks
     ib = [block_of_position(L, n, p.reshape(-1)) for L, n, p in zip(grid, blocks, (t, h, w))]
-    token_block = (ib[0] * bh + ib[1]) * bw + ib[2]
-    m = bt * bh * bw
-    order = torch.argsort(token_block, stable=True)  # raster order inside each block
-    counts = torch.bincount(token_block, minlength=m)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(token_block)
-    rank[order] = torch.arange(token_block.numel()) - starts[token_block[order]]
-    max_len = int(counts.max())
-    slot_index = torch.full((m, max_len), token_block.numel(), dtype=torch.long)
-    slot_index[token_block, rank] = torch.arange(token_block.numel())
-    return BlockLayout(slot_index, token_block * max_len + rank, token_block, m, max_len)
+    return pack_blocks((ib[0] * bh + ib[1]) * bw + ib[2], bt * bh * bw)
 
 
 def block_layout(grid, blocks, device=None) -> BlockLayout:

@@ -18,6 +18,7 @@ from .blocks import resolve_blocks
 from .config import MHLAConfig
 from .mixing import MixingMatrices
 from .ops import mhla_attention
+from .parallel import context_group, mhla_attention_sharded
 
 # silu(b) = 1 at b = 1 + W(1/e): a zero-weight gate with this bias starts fully open.
 GATE_OPEN_BIAS = 1.278464542761074
@@ -32,6 +33,8 @@ class TokenGrid:
 
 class MHLAProcessorBase(nn.Module):
     """Shared state and the MHLA core; subclasses map a layer's projections onto it."""
+
+    _parallel_config = None  # set by diffusers' enable_parallelism: q, k, v then hold one rank's token slice
 
     def __init__(self, config: MHLAConfig, heads: int, head_dim: int, dim: int, token_grid: TokenGrid):
         super().__init__()
@@ -58,7 +61,7 @@ class MHLAProcessorBase(nn.Module):
                 "MHLA processor called outside a transformer forward: the token grid is unknown. "
                 "Call the transformer (its pre-hook publishes the grid), or set processor.token_grid.grid."
             )
-        if grid[0] * grid[1] * grid[2] != num_tokens:
+        if self._parallel_config is None and math.prod(grid) != num_tokens:  # a rank's slice is checked when sharded
             raise RuntimeError(f"self-attention got {num_tokens} tokens but the transformer's token grid {grid} holds {math.prod(grid)}")
         return grid
 
@@ -69,7 +72,11 @@ class MHLAProcessorBase(nn.Module):
         blocks = resolve_blocks(grid, c.blocks)
         mix = self.mixing(blocks, q.device)
         rope = rope if c.rope == "numerator" else None
-        out = mhla_attention(q, k, v, mix, grid, blocks, normalize=c.normalize, eps=c.eps, feature=c.feature, rope=rope)
+        kw = dict(normalize=c.normalize, eps=c.eps, feature=c.feature, rope=rope)
+        if self._parallel_config is None:
+            out = mhla_attention(q, k, v, mix, grid, blocks, **kw)
+        else:
+            out = mhla_attention_sharded(q, k, v, mix, grid, blocks, context_group(self._parallel_config), **kw)
         if self.norm_gain is not None:  # fused RMSNorm (fp32 inside): one pass, not six, over a large output
             out = F.rms_norm(out, (out.shape[-1],), eps=1e-6) * self.norm_gain.to(out.dtype)
         out = out.flatten(2)

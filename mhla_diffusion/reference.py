@@ -57,9 +57,19 @@ def check_inputs(q, k, v, mix, grid, blocks):
 def mhla_attention_reference(q, k, v, mix, grid, blocks, *, normalize=True, eps=1e-6, feature="relu", rope=None):
     """MHLA as the spec writes it; see `mhla_diffusion.mhla_attention` for the arguments."""
     grid, blocks = check_inputs(q, k, v, mix, grid, blocks)
+    layout = block_layout(grid, blocks, q.device)
+    return mhla_blocked(q, k, v, mix, layout, normalize=normalize, eps=eps, feature=feature, rope=rope)
+
+
+def mhla_blocked(q, k, v, mix, layout, *, normalize, eps, feature, rope, combine=None):
+    """MHLA of the tokens `layout` packs into blocks: all of the grid, or one rank's slice of it.
+
+    mix: the mixing rows of the layout's blocks (all M rows when the layout holds every block).
+    combine: turns the partial summaries of the layout's blocks, a list of (B, h, M_layout, ...),
+    into the summaries of all M blocks (sequence parallel: scatter, then sum over ranks).
+    """
     phi = feature_map(feature)
     dt = torch.promote_types(q.dtype, torch.float32)
-    layout = block_layout(grid, blocks, q.device)
 
     def to_blocks(x):  # (B, N, h, D) -> (B, h, M, Lmax, D), zeros in padding slots
         x = F.pad(x.transpose(1, 2), (0, 0, 0, 1))
@@ -69,11 +79,15 @@ def mhla_attention_reference(q, k, v, mix, grid, blocks, *, normalize=True, eps=
     rq, rk = (apply_rope(fq, rope), apply_rope(fk, rope)) if rope is not None else (fq, fk)
     mix = mix.to(dt)
 
-    summary = torch.einsum("bhmld,bhmle->bhmde", to_blocks(rk), to_blocks(v.to(dt)))
-    mixed = torch.einsum("im,bhmde->bhide", mix, summary)
+    sums = [torch.einsum("bhmld,bhmle->bhmde", to_blocks(rk), to_blocks(v.to(dt)))]
+    if normalize:
+        sums.append(to_blocks(fk).sum(dim=3))
+    if combine is not None:
+        sums = combine(sums)
+    mixed = torch.einsum("im,bhmde->bhide", mix, sums[0])
     out = torch.einsum("bhmld,bhmde->bhmle", to_blocks(rq), mixed)
     if normalize:
-        z = torch.einsum("im,bhmd->bhid", mix, to_blocks(fk).sum(dim=3))
+        z = torch.einsum("im,bhmd->bhid", mix, sums[1])
         den = torch.einsum("bhmld,bhmd->bhml", to_blocks(fq), z)
         out = out / (den.unsqueeze(-1) + eps)
     out = out.flatten(2, 3)[:, :, layout.token_slot]  # back to raster order: (B, h, N, D)

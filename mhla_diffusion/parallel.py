@@ -1,0 +1,120 @@
+"""Sequence-parallel MHLA: each rank holds a contiguous slice of the tokens.
+
+Block summaries are sums over tokens, so a rank sums its own tokens into partial summaries of
+the blocks its slice touches, one all-reduce of B * heads * M * (D*D [+ D]) values (independent
+of N) completes them on every rank, and each rank mixes them for its own queries. The
+all-reduce is differentiable (its backward all-reduces the gradients), so training works.
+
+The slices are diffusers' context-parallel ones (`enable_parallelism`, `_cp_plan`): rank r of
+P holds tokens [start, end) of `torch.tensor_split(N, P)`, which may begin or end mid-frame,
+mid-row or mid-block. The sharded path uses the PyTorch reference operator (no Triton yet).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from .blocks import BlockLayout, block_layout, pack_blocks
+from .reference import check_inputs, mhla_blocked
+
+
+def token_range(num_tokens: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s slice [start, end) of `num_tokens`, as `torch.tensor_split` cuts it."""
+    if num_tokens < world:
+        raise ValueError(f"{num_tokens} tokens cannot be split over {world} ranks; use fewer ranks or a larger latent")
+    base, extra = divmod(num_tokens, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+@lru_cache(maxsize=64)
+def _local_layout(grid, blocks, start: int, end: int, device: torch.device) -> tuple[BlockLayout, torch.Tensor]:
+    token_block = block_layout(grid, blocks).token_block[start:end]
+    ids = torch.unique(token_block)  # sorted global ids of the blocks the slice touches
+    lay = pack_blocks(torch.searchsorted(ids, token_block), ids.numel())
+    move = lambda x: x.to(device)  # noqa: E731
+    return BlockLayout(move(lay.slot_index), move(lay.token_slot), move(lay.token_block), lay.num_blocks, lay.max_len), move(ids)
+
+
+def local_layout(grid, blocks, start: int, end: int, device) -> tuple[BlockLayout, torch.Tensor]:
+    """The block layout of tokens [start, end) of `grid`, and the global ids of its blocks (cached per device)."""
+    return _local_layout(tuple(grid), tuple(blocks), start, end, torch.device(device))
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group's ranks; the backward sums the gradients the same way.
+
+    (torch.distributed.nn.functional.all_reduce does this too but is deprecated in torch 2.14, and
+    the autograd of its replacement in _functional_collectives is newer than torch 2.4.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllReduceSum.apply(grad, ctx.group), None
+
+
+def _sum_over_ranks(parts, ids, num_blocks, group):
+    """Partial summaries of the local blocks -> complete summaries of all blocks, in one all-reduce."""
+    full = [p.new_zeros(*p.shape[:2], num_blocks, *p.shape[3:]).index_copy(2, ids, p) for p in parts]
+    flat = _AllReduceSum.apply(torch.cat([f.flatten(3) for f in full], dim=3), group)
+    sizes = [math.prod(f.shape[3:]) for f in full]
+    return [x.view_as(f) for x, f in zip(flat.split(sizes, dim=3), full)]
+
+
+def mhla_attention_sharded(q, k, v, mix, grid, blocks, group, *, normalize=True, eps=1e-6, feature="relu", rope=None):
+    """`mhla_attention` of this rank's token slice; every rank of `group` must call it together.
+
+    q, k, v: (B, N_local, heads, D), the rank's contiguous slice of the raster order over `grid`
+    (the whole grid's T, H, W); rope, if given, is already sliced the same way.
+    Returns the rank's (B, N_local, heads, D_v).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_tokens = math.prod(grid)
+    start, end = token_range(num_tokens, world, rank)
+    if any(x.shape[1] != end - start for x in (q, k, v)):
+        raise ValueError(
+            f"rank {rank} of {world} got {q.shape[1]}, {k.shape[1]}, {v.shape[1]} q, k, v tokens, but its slice of the "
+            f"{num_tokens}-token grid {tuple(grid)} is [{start}, {end}); the sequence must be split contiguously as torch.tensor_split does "
+            "(diffusers' context parallelism with ring_anything or ulysses_anything for any N)"
+        )
+    whole = lambda x: x.new_empty(()).expand(x.shape[0], num_tokens, *x.shape[2:])  # noqa: E731  (shapes only)
+    grid, blocks = check_inputs(whole(q), whole(k), whole(v), mix, grid, blocks)
+    layout, ids = local_layout(grid, blocks, start, end, q.device)
+    m = mix.shape[0]
+    combine = lambda parts: _sum_over_ranks(parts, ids, m, group)  # noqa: E731
+    return mhla_blocked(q, k, v, mix[ids], layout, normalize=normalize, eps=eps, feature=feature, rope=rope, combine=combine)
+
+
+def context_group(parallel_config):
+    """The process group over which diffusers split the sequence (its flattened ring x ulysses mesh)."""
+    cp = getattr(parallel_config, "context_parallel_config", parallel_config)
+    return cp._flattened_mesh.get_group()
+
+
+def comm_bytes(num_tokens, heads, head_dim, num_blocks, ranks, *, normalize=False, batch=1, act_bytes=2, summary_bytes=4):
+    """Bytes one rank sends per attention layer and forward pass, by scheme, for P = `ranks`.
+
+    ulysses: all-to-all of the local q, k, v and the output (heads must divide by P);
+    ring: the local k, v passed to the P - 1 other ranks (ring FlashAttention);
+    mhla: ring all-reduce of B * heads * M * (D*D [+ D]) summaries, kept in their fp32
+    accumulation dtype (summary_bytes=4) while activations are bf16 (act_bytes=2).
+    """
+    p = ranks
+    local = batch * num_tokens / p * heads * head_dim  # values in one rank's q (or k, v, out)
+    summaries = batch * heads * num_blocks * (head_dim * head_dim + head_dim * bool(normalize))
+    return {
+        "ulysses": 4 * local * (p - 1) / p * act_bytes,
+        "ring": 2 * local * (p - 1) * act_bytes,
+        "mhla": 2 * (p - 1) / p * summaries * summary_bytes,
+    }
