@@ -17,7 +17,7 @@ from PIL import Image
 pytest.importorskip("sklearn")  # the [experiments] extra; `make test` installs it through [test]
 
 from mhla_diffusion.experiments import classifier, digits_data, report  # noqa: E402
-from mhla_diffusion.experiments.digits import PRESETS, table_rows  # noqa: E402
+from mhla_diffusion.experiments.digits import PRESETS, main, table_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "experiments" / "digits.py"
@@ -68,15 +68,15 @@ def test_toy_run_writes_every_output(toy_run):
             assert img.size[0] > 100 and img.size[1] > 100
 
 
-def test_rerun_resumes_and_refuses_other_settings(toy_run):
+def test_rerun_resumes_and_refuses_other_settings(toy_run, capsys):
     out, _ = toy_run
     before = json.loads((out / "results.json").read_text())["runs"]
     again = run("--preset", "toy", "--out", out, "--device", "cpu", "--no-progress")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "pretrain" not in again.stdout and "finetune" not in again.stdout  # nothing retrained
     assert json.loads((out / "results.json").read_text())["runs"] == before
-    other = run("--preset", "toy", "--out", out, "--device", "cpu", "--finetune-steps", "3")
-    assert other.returncode != 0 and "finetune_steps differ" in other.stderr
+    assert main(["--preset", "toy", "--out", str(out), "--device", "cpu", "--finetune-steps", "3"]) == 2
+    assert "finetune_steps differ" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -84,11 +84,13 @@ def test_rerun_resumes_and_refuses_other_settings(toy_run):
     (["--mhla-blocks", "1,16,16"], "does not fit token grid"),
     (["--samples", "5"], "samples must be at least"),
     (["--resolution", "9", "--patch-size", "2"], "not a multiple of patch size"),
+    (["--seeds", "a,b"], "invalid"),
 ])
-def test_bad_settings_fail_before_training(tmp_path, args, message):
-    done = run("--preset", "toy", "--out", tmp_path, *args)
-    assert done.returncode == 2 and message in done.stderr
-    assert not (tmp_path / "results.json").exists()
+def test_bad_settings_fail_before_training(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--preset", "toy", "--out", str(tmp_path / "out"), *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_digits_are_real_scans_split_once():

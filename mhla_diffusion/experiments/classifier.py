@@ -69,7 +69,7 @@ def train_classifier(images, labels, *, steps: int, batch_size: int = 128, lr: f
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     max_shift = images.shape[-1] // 8
     images, labels = images.to(device), labels.to(device)
-    for _ in tqdm(range(steps), desc="classifier", disable=not progress):
+    for _ in tqdm(range(steps), desc="classifier", disable=not progress, mininterval=2):
         idx = torch.randint(0, len(labels), (batch_size,), generator=generator).to(device)
         loss = F.cross_entropy(model(shift(images[idx], max_shift, generator)), labels[idx])
         optimizer.zero_grad(set_to_none=True)

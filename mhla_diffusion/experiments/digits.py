@@ -73,8 +73,8 @@ PRESETS = {
                      guidance=1.5, seeds=(0, 1, 2)),
     # CI on a CPU in well under a minute: the whole pipeline, nothing meaningful learned.
     "toy": Settings(resolution=8, patch_size=1, layers=2, heads=2, head_dim=8, mhla_blocks=(1, 2, 2),
-                    pretrain_steps=20, finetune_steps=8, batch_size=16, pretrain_lr=1e-3, finetune_lr=1e-3,
-                    warmup=5, ema_decay=0.9, classifier_steps=60, samples=40, sampling_steps=4,
+                    pretrain_steps=12, finetune_steps=6, batch_size=16, pretrain_lr=1e-3, finetune_lr=1e-3,
+                    warmup=4, ema_decay=0.9, classifier_steps=30, samples=20, sampling_steps=3,
                     guidance=1.5, seeds=(0, 1)),
 }
 

@@ -66,7 +66,7 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     warmup = lambda step: min(1.0, (step + 1) / max(1, settings.warmup))  # noqa: E731
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4)
+    ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4, foreach=True)
     images, labels = images.to(device), labels.to(device)
     torch.manual_seed(seed)
     model.train()
