@@ -81,6 +81,7 @@ def test_rerun_resumes_and_refuses_other_settings(toy_run, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--mhla-blocks", "1,1,1"], "MHLA needs M > 1"),
+    (["--mhla-blocks", "auto"], "explicit block grid"),
     (["--mhla-blocks", "1,16,16"], "does not fit token grid"),
     (["--samples", "5"], "samples must be at least"),
     (["--resolution", "9", "--patch-size", "2"], "not a multiple of patch size"),

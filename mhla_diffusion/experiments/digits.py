@@ -103,11 +103,11 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("outputs/digits"), help="output dir; a rerun resumes there")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    kinds = {"mhla_blocks": parse_blocks, "seeds": lambda s: tuple(int(x) for x in s.split(","))}
+    kinds = {"int": int, "float": float, "tuple": lambda text: tuple(int(x) for x in text.split(","))}
     for f in fields(Settings):
-        kind = kinds.get(f.name, f.type if f.type in ("int", "float") else None)
-        kind = {"int": int, "float": float}.get(kind, kind)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"override the preset's {f.name}")
+        kind = parse_blocks if f.name == "mhla_blocks" else kinds[f.type]
+        presets = ", ".join(f"{name}: {getattr(preset, f.name)}" for name, preset in PRESETS.items())
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"({presets})")
     args = p.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name) is not None}
     try:
@@ -132,6 +132,8 @@ def check(s: Settings) -> None:
         raise ValueError("seeds is empty")
     if s.resolution % s.patch_size:
         raise ValueError(f"resolution {s.resolution} is not a multiple of patch size {s.patch_size}")
+    if isinstance(s.mhla_blocks, str):
+        raise ValueError("mhla_blocks must be an explicit block grid here, e.g. 1,4,4")
     side = s.resolution // s.patch_size
     check_blocks((1, side, side), s.mhla_blocks)
     if math.prod(s.mhla_blocks) < 2:
