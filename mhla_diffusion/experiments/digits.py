@@ -143,7 +143,7 @@ def check(s: Settings) -> None:
 def card(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return f"CPU ({platform.processor() or platform.machine()}, torch threads: {torch.get_num_threads()})"
 
 
 class Results:
