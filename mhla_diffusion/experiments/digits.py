@@ -13,6 +13,7 @@ skips what is there, so an interrupted run loses at most the phase in progress.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -123,9 +124,12 @@ def check(s: Settings) -> None:
     from ..blocks import check_blocks
 
     positive = ["resolution", "patch_size", "layers", "heads", "head_dim", "batch_size", "classifier_steps", "sampling_steps", "pretrain_steps"]
-    bad = [n for n in positive if getattr(s, n) < 1] + [n for n in ("finetune_steps", "warmup") if getattr(s, n) < 0]
+    bad = [n for n in positive if getattr(s, n) < 1]
     if bad:
         raise ValueError(f"{', '.join(bad)} must be positive")
+    bad = [n for n in ("finetune_steps", "warmup") if getattr(s, n) < 0]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} must be zero or more")
     if s.samples < 2 * NUM_CLASSES:
         raise ValueError(f"samples must be at least {2 * NUM_CLASSES} (FID needs two per class at least), got {s.samples}")
     if not s.seeds:
@@ -182,21 +186,16 @@ class Judge:
                 "n": len(labels)}
 
 
+@contextlib.contextmanager
 def timed(results: Results, phase: str):
-    """Context manager adding a phase's wall time to results['timings_s'] and printing it."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def span():
-        t0 = time.perf_counter()
-        yield
-        dt = time.perf_counter() - t0
-        timings = results.data.setdefault("timings_s", {})
-        timings[phase] = timings.get(phase, 0.0) + dt
-        results.save()
-        print(f"[digits] {phase}: {dt:.1f} s", flush=True)
-
-    return span()
+    """Add the phase's wall time to results['timings_s'] and print it."""
+    t0 = time.perf_counter()
+    yield
+    dt = time.perf_counter() - t0
+    timings = results.data.setdefault("timings_s", {})
+    timings[phase] = timings.get(phase, 0.0) + dt
+    results.save()
+    print(f"[digits] {phase}: {dt:.1f} s", flush=True)
 
 
 def classifier_phase(out: Path, digits, s: Settings, results: Results, device, progress: bool):
