@@ -43,8 +43,16 @@ def smooth(values: list[float], every: int) -> list[float]:
     return [statistics.fmean(values[i:i + every]) for i in range(0, len(values), every)]
 
 
+def moving_average(values, points: int = 40) -> np.ndarray:
+    """Running mean over about 1/`points` of the curve: diffusion losses jump with the sampled timesteps."""
+    values = np.asarray(values, dtype=np.float64)
+    window = max(1, len(values) // points)
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
 def plot_losses(path: Path, curves: dict, variants: dict) -> None:
-    """Pre-training loss, and each variant's fine-tuning loss (mean over seeds, band = min..max)."""
+    """Pre-training loss, and each variant's fine-tuning loss (mean over seeds, band = min..max),
+    both as running means."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,18 +61,21 @@ def plot_losses(path: Path, curves: dict, variants: dict) -> None:
     fig, (pre, fine) = plt.subplots(1, 2, figsize=(11, 4))
     if "pretrain" in curves:
         c = curves["pretrain"]
-        pre.plot(np.arange(len(c["loss"])) * c["every"], c["loss"], color="black")
-    pre.set(title="pre-training (softmax, from scratch)", xlabel="step", ylabel="epsilon MSE", yscale="log")
+        loss = moving_average(c["loss"])
+        pre.plot(np.arange(len(loss)) * c["every"], loss, color="black")
+    pre.set(title="pre-training (softmax, from scratch)", xlabel="step", ylabel="epsilon MSE (running mean)", yscale="log")
     for name, label in variants.items():
         runs = [c for key, c in curves.items() if key.startswith(f"{name}/seed")]
         if not runs:
             continue
         length = min(len(c["loss"]) for c in runs)
-        loss = np.array([c["loss"][:length] for c in runs])
-        steps = np.arange(length) * runs[0]["every"]
-        line, = fine.plot(steps, loss.mean(0), label=f"{label} ({len(runs)} seeds)")
+        if length == 0:
+            continue
+        loss = np.array([moving_average(c["loss"][:length]) for c in runs])
+        steps = np.arange(loss.shape[1]) * runs[0]["every"]
+        line, = fine.plot(steps, loss.mean(0), label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         fine.fill_between(steps, loss.min(0), loss.max(0), color=line.get_color(), alpha=0.2)
-    fine.set(title="fine-tuning after conversion", xlabel="step", ylabel="epsilon MSE", yscale="log")
+    fine.set(title="fine-tuning after conversion", xlabel="step", ylabel="epsilon MSE (running mean)", yscale="log")
     if fine.lines:
         fine.legend()
     fig.tight_layout()
