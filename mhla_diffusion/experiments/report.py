@@ -95,8 +95,9 @@ def results_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> st
         f"- date (UTC): {results['date']}",
         f"- card: {results['card']} (torch {results['torch']}, fp32 weights{', TF32 matmuls' if results['device'].startswith('cuda') else ''})",
         f"- command: `{results['command']}`",
-        f"- wall time of the last session: {results['wall_s']:.0f} s; per phase, all sessions (s): "
-        + ", ".join(f"{k} {v:.0f}" for k, v in results.get("timings_s", {}).items()),
+        f"- time (all sessions of a resumed run): {sum(results.get('timings_s', {}).values()):.0f} s in the phases ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("timings_s", {}).items())
+        + f"); the last session took {results['wall_s']:.0f} s",
         f"- data: scikit-learn digits upscaled to {s['resolution']}x{s['resolution']}: {clf.get('train_n')} train / {clf.get('test_n')} held-out test scans",
         f"- model: DiT, {s['layers']} layers, {s['heads']} heads x {s['head_dim']}, patch {s['patch_size']} "
         f"({(s['resolution'] // s['patch_size']) ** 2} tokens), pre-trained once ({s['pretrain_steps']} steps, seed 0), "
