@@ -14,10 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-pytest.importorskip("sklearn")  # the [experiments] extra; `make test` installs it through [test]
-
-from mhla_diffusion.experiments import classifier, digits_data, report  # noqa: E402
-from mhla_diffusion.experiments.digits import PRESETS, main, table_rows  # noqa: E402
+from mhla_diffusion.experiments import classifier, digits_data, report
+from mhla_diffusion.experiments.digits import PRESETS, main, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "experiments" / "digits.py"
@@ -75,6 +73,18 @@ def test_rerun_resumes_and_refuses_other_settings(toy_run, capsys):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "pretrain" not in again.stdout and "finetune" not in again.stdout  # nothing retrained
     assert json.loads((out / "results.json").read_text())["runs"] == before
+
+    # an interrupted run: the last fine-tune never finished; the rerun redoes it alone, identically
+    last = str(PRESETS["toy"].seeds[-1])
+    results = json.loads((out / "results.json").read_text())
+    del results["runs"]["mhla/finetuned"][last]
+    (out / "results.json").write_text(json.dumps(results))
+    again = run("--preset", "toy", "--out", out, "--device", "cpu", "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("[digits] finetune ") == 1 and "[digits] finetune mhla:" in again.stdout
+    redone = json.loads((out / "results.json").read_text())["runs"]["mhla/finetuned"][last]
+    assert redone["fid"] == pytest.approx(before["mhla/finetuned"][last]["fid"], rel=1e-6)
+    assert redone["accuracy"] == before["mhla/finetuned"][last]["accuracy"]
     assert main(["--preset", "toy", "--out", str(out), "--device", "cpu", "--finetune-steps", "3"]) == 2
     assert "finetune_steps differ" in capsys.readouterr().err
 
