@@ -67,7 +67,7 @@ class Settings:
 
 
 PRESETS = {
-    # One H200: about 5 minutes (see README); 256 tokens, MHLA on 4x4 = 16 blocks (M^2 = N).
+    # Sized for one GPU in minutes (about 21k launch-bound steps); 256 tokens, MHLA on 4x4 = 16 blocks (M^2 = N).
     "full": Settings(resolution=16, patch_size=1, layers=4, heads=4, head_dim=32, mhla_blocks=(1, 4, 4),
                      pretrain_steps=6000, finetune_steps=1500, batch_size=128, pretrain_lr=3e-4, finetune_lr=1e-4,
                      warmup=200, ema_decay=0.999, classifier_steps=2000, samples=1000, sampling_steps=50,
