@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     judge = Judge(classifier, s.resolution, digits.train_images, device)
     results.data["classifier"] = {"test_accuracy": test_acc, "train_n": len(digits.train_labels), "test_n": len(digits.test_labels),
                                   "features": judge.feature.num_features}
-    results.data["real_heldout"] = {**judge.score(digits.test_images, digits.test_labels)}
+    results.data["real_heldout"] = judge.score(digits.test_images, digits.test_labels)
     report.save_grid(out / "samples_real.png", digits.test_images, digits.test_labels)
     print(f"[digits] classifier test accuracy {test_acc:.4f}; held-out real scans FID {results.data['real_heldout']['fid']:.3f}", flush=True)
 
