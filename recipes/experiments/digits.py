@@ -1,7 +1,7 @@
 """Does conversion keep quality? See mhla_diffusion/experiments/digits.py and the README.
 
     python recipes/experiments/digits.py                 # one GPU, sized for a few minutes
-    python recipes/experiments/digits.py --preset toy    # the whole pipeline on a CPU in seconds
+    python recipes/experiments/digits.py --preset toy    # the whole pipeline on a CPU in about a minute
 """
 
 import sys
