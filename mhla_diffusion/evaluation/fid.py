@@ -116,6 +116,15 @@ def check_count(n: int, what: str) -> None:
         raise ValueError(f"{what} has {n} image(s); FID needs at least 2 (a covariance needs two samples)")
 
 
+def tensor_stats(images_uint8: torch.Tensor, feature, batch_size: int = 500, device="cpu") -> FeatureStats:
+    """Stats of in-memory (N, 3, H, W) uint8 images on `feature` (no files: small experiments)."""
+    check_count(len(images_uint8), "the image set")
+    metric = make_metric(feature, device=device)
+    for batch in images_uint8.split(batch_size):
+        metric.update(batch.to(device), real=True)
+    return side_stats(metric, real=True)
+
+
 def folder_stats(folder, feature=None, inception_weights=None, batch_size: int = 50, progress: bool = False, device="cpu") -> FeatureStats:
     """Stats of every image under `folder` (what `eval ref-stats` writes)."""
     paths = images.list_images(folder)

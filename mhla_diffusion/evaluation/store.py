@@ -33,15 +33,7 @@ class SampleStore:
 
     def pin_settings(self, settings: dict) -> None:
         """Record `settings`, or check they equal the recorded ones."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        file = self.root / "settings.json"
-        if file.is_file():
-            old = json.loads(file.read_text())
-            if old != settings:
-                diff = sorted(k for k in old.keys() | settings.keys() if old.get(k) != settings.get(k))
-                raise ValueError(f"{self.root} holds samples made with other settings ({', '.join(diff)} differ); use another output dir")
-        else:
-            file.write_text(json.dumps(settings, indent=2, sort_keys=True))
+        pin_settings(self.root, settings, "samples")
 
     def save(self, i: int, sample: np.ndarray) -> None:
         """One sample in [0, 1]: (H, W, 3) image, or (F, H, W, 3) video."""
@@ -67,3 +59,18 @@ class SampleStore:
             else:
                 paths.append(p.with_suffix(".png"))
         return paths
+
+
+def pin_settings(root, settings: dict, what: str) -> None:
+    """Record `settings` in `root`/settings.json, or check they equal the recorded ones, so a
+    resumed run never mixes results made with other settings."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    file = root / "settings.json"
+    if file.is_file():
+        old = json.loads(file.read_text())
+        if old != settings:
+            diff = sorted(k for k in old.keys() | settings.keys() if old.get(k) != settings.get(k))
+            raise ValueError(f"{root} holds {what} made with other settings ({', '.join(diff)} differ); use another output dir")
+    else:
+        file.write_text(json.dumps(settings, indent=2, sort_keys=True))

@@ -1,0 +1,130 @@
+"""A class-conditional DiT trained in pixel space (no VAE): build, train, sample.
+
+Training reuses the recipes' DDPM epsilon objective and DiT call; sampling is DDIM with
+classifier-free guidance against the null class that DiT's label embedding adds for its label
+dropout (class id = number of classes). DiTPipeline cannot be used: it decodes with a VAE and
+hard-codes ImageNet's null class 1000.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..training.families import model_output, transformer_inputs
+from ..training.objectives import DDPMObjective
+from .digits_data import NUM_CLASSES
+
+# Cosine betas suit small images (improved DDPM); trailing DDIM steps start at t = T - 1.
+SCHEDULER = {"num_train_timesteps": 1000, "beta_schedule": "squaredcos_cap_v2"}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    layers: int
+    heads: int
+    head_dim: int
+    patch_size: int
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int
+    batch_size: int
+    lr: float
+    warmup: int
+    ema_decay: float  # reached after the EMA's warm-up (power 3/4), so short runs average short windows
+    grad_clip: float = 1.0
+
+
+def build_dit(resolution: int, size: ModelSize, seed: int):
+    """A fresh DiT on (1, resolution, resolution) images with softmax attention."""
+    from diffusers import DiTTransformer2DModel
+
+    if resolution % size.patch_size:
+        raise ValueError(f"resolution {resolution} is not a multiple of patch size {size.patch_size}")
+    torch.manual_seed(seed)
+    return DiTTransformer2DModel(
+        in_channels=1, out_channels=1, num_layers=size.layers, num_attention_heads=size.heads,
+        attention_head_dim=size.head_dim, patch_size=size.patch_size, sample_size=resolution,
+        num_embeds_ada_norm=NUM_CLASSES, norm_type="ada_norm_zero", activation_fn="gelu-approximate",
+        attention_bias=True)
+
+
+def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, progress: bool = True) -> list[float]:
+    """AdamW (wd 0) with linear warm-up, grad clipping and EMA, all parameters trained; the EMA
+    weights end up in `model`. Returns the loss of every step."""
+    from diffusers.training_utils import EMAModel
+
+    device = next(model.parameters()).device
+    objective = DDPMObjective(SCHEDULER, learned_variance=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    warmup = lambda step: min(1.0, (step + 1) / max(1, settings.warmup))  # noqa: E731
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4, foreach=True)
+    images, labels = images.to(device), labels.to(device)
+    torch.manual_seed(seed)
+    model.train()
+    losses = []
+    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, mininterval=2):
+        idx = torch.randint(0, len(labels), (settings.batch_size,), device=device)
+        noisy = objective.noisy(images[idx])
+        out = model(**transformer_inputs("dit", model, noisy.model_input, noisy.timestep, {"class_label": labels[idx]}))
+        loss = objective.loss(model_output(out), noisy)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        optimizer.step()
+        lr_schedule.step()
+        ema.step(params)
+        losses.append(loss.detach())
+    ema.copy_to(params)
+    model.eval()
+    losses = torch.stack(losses).cpu().tolist() if losses else []
+    if not all(math.isfinite(v) for v in losses):
+        raise FloatingPointError(f"{desc}: the training loss became non-finite; lower the learning rate")
+    return losses
+
+
+@torch.no_grad()
+def sample(model, labels: torch.Tensor, steps: int, guidance: float, seed: int, batch_size: int = 500) -> torch.Tensor:
+    """Images (N, 1, R, R) in [-1, 1] of the classes `labels`; the noise depends only on `seed`."""
+    from diffusers import DDIMScheduler
+
+    device = next(model.parameters()).device
+    size = model.config.sample_size
+    noise = torch.randn((len(labels), 1, size, size), generator=torch.Generator().manual_seed(seed))
+    scheduler = DDIMScheduler.from_config({**SCHEDULER, "timestep_spacing": "trailing"})
+    scheduler.set_timesteps(steps)
+    model.eval()
+    out = []
+    for x, y in zip(noise.split(batch_size), labels.split(batch_size)):
+        x, y = x.to(device), y.to(device)
+        guided = guidance != 1.0
+        classes = torch.cat([y, torch.full_like(y, NUM_CLASSES)]) if guided else y
+        for t in scheduler.timesteps:
+            inp = torch.cat([x, x]) if guided else x
+            timestep = torch.full((len(inp),), int(t), device=device)
+            eps = model_output(model(**transformer_inputs("dit", model, inp, timestep, {"class_label": classes})))
+            if guided:
+                cond, uncond = eps.chunk(2)
+                eps = uncond + guidance * (cond - uncond)
+            x = scheduler.step(eps, t, x).prev_sample
+        out.append(x.clamp(-1, 1).cpu())
+    return torch.cat(out)
+
+
+def converted_copy(model, blocks):
+    """A copy of the softmax `model` with every self-attention converted to MHLA on `blocks`
+    ((1, 1, 1): one block, plain linear attention), or an unchanged copy when `blocks` is None."""
+    from ..conversion import convert, default_config
+
+    twin = copy.deepcopy(model)
+    if blocks is not None:
+        convert(twin, default_config(twin, blocks=blocks))
+    return twin

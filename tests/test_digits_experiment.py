@@ -1,0 +1,134 @@
+"""The digits experiment (recipes/experiments/digits.py) run as users run it, at toy size on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mhla_diffusion.experiments import classifier, digits_data, report
+from mhla_diffusion.experiments.digits import PRESETS, main, table_rows
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "recipes" / "experiments" / "digits.py"
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    done = run("--preset", "toy", "--out", out, "--device", "cpu", "--no-progress")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out, done.stdout
+
+
+def test_toy_run_writes_every_output(toy_run):
+    out, stdout = toy_run
+    results = json.loads((out / "results.json").read_text())
+    toy = PRESETS["toy"]
+    assert results["settings"]["seeds"] == list(toy.seeds)
+    assert results["card"].startswith("CPU") and results["date"] and "--preset toy" in results["command"]
+    assert 0 <= results["classifier"]["test_accuracy"] <= 1
+    assert math.isfinite(results["real_heldout"]["fid"]) and results["real_heldout"]["fid"] >= 0
+    keys = [key for *_, key in table_rows(toy)]
+    assert sorted(results["runs"]) == sorted(keys)
+    for key in keys:
+        runs = results["runs"][key]
+        assert sorted(runs, key=int) == [str(s) for s in toy.seeds]
+        for r in runs.values():
+            assert math.isfinite(r["fid"]) and r["fid"] >= 0
+            assert 0 <= r["accuracy"] <= 1 and r["n"] == toy.samples
+            assert r["finetune_steps"] == (0 if key.endswith("converted") else toy.finetune_steps)
+    for key in ["pretrain", *(f"{v}/seed{s}" for v in ("softmax", "linear", "mhla") for s in toy.seeds)]:
+        c = results["curves"][key]
+        assert c["loss"] and all(math.isfinite(v) and v > 0 for v in c["loss"])
+    table = (out / "results.md").read_text()
+    for label, *_ in table_rows(toy):
+        assert f"| {label} |" in table
+    for key in keys:
+        assert f"{key} seed {toy.seeds[0]}: FID" in stdout
+    pngs = ["loss_curves.png", "samples_real.png", *(f"samples_{k.replace('/', '_')}.png" for k in keys)]
+    for name in pngs:
+        with Image.open(out / name) as img:
+            assert img.size[0] > 100 and img.size[1] > 100
+
+
+def test_rerun_resumes_and_refuses_other_settings(toy_run, capsys):
+    out, _ = toy_run
+    before = json.loads((out / "results.json").read_text())["runs"]
+    again = run("--preset", "toy", "--out", out, "--device", "cpu", "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "pretrain" not in again.stdout and "finetune" not in again.stdout  # nothing retrained
+    assert json.loads((out / "results.json").read_text())["runs"] == before
+
+    # an interrupted run: the last fine-tune never finished; the rerun redoes it alone, identically
+    last = str(PRESETS["toy"].seeds[-1])
+    results = json.loads((out / "results.json").read_text())
+    del results["runs"]["mhla/finetuned"][last]
+    (out / "results.json").write_text(json.dumps(results))
+    again = run("--preset", "toy", "--out", out, "--device", "cpu", "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("[digits] finetune ") == 1 and "[digits] finetune mhla:" in again.stdout
+    redone = json.loads((out / "results.json").read_text())["runs"]["mhla/finetuned"][last]
+    assert redone["fid"] == pytest.approx(before["mhla/finetuned"][last]["fid"], rel=1e-6)
+    assert redone["accuracy"] == before["mhla/finetuned"][last]["accuracy"]
+    assert main(["--preset", "toy", "--out", str(out), "--device", "cpu", "--finetune-steps", "3"]) == 2
+    assert "finetune_steps differ" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mhla-blocks", "1,1,1"], "MHLA needs M > 1"),
+    (["--mhla-blocks", "auto"], "explicit block grid"),
+    (["--mhla-blocks", "1,16,16"], "does not fit token grid"),
+    (["--samples", "5"], "samples must be at least"),
+    (["--resolution", "9", "--patch-size", "2"], "not a multiple of patch size"),
+    (["--seeds", "a,b"], "invalid"),
+])
+def test_bad_settings_fail_before_training(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--preset", "toy", "--out", str(tmp_path / "out"), *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_digits_are_real_scans_split_once():
+    a, b = digits_data.load_digits(8), digits_data.load_digits(16)
+    assert len(a.train_labels) + len(a.test_labels) == 1797
+    assert torch.equal(a.train_labels, b.train_labels)  # one split at every resolution
+    assert a.train_images.min() == -1 and a.train_images.max() == 1
+    counts = torch.bincount(a.test_labels)
+    assert len(counts) == 10 and counts.max() - counts.min() <= 4  # stratified: the classes hold 174..183 scans
+
+
+def test_fid_features_follow_the_uint8_path():
+    torch.manual_seed(0)
+    net = classifier.DigitClassifier().eval()
+    feat = classifier.FIDFeatures(net, 8)
+    images = torch.rand(4, 1, 8, 8) * 2 - 1
+    pixels = digits_data.to_uint8_rgb(images)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (4, 3, 8, 8)
+    expected = net.features(pixels[:, :1].float() / 127.5 - 1).double()
+    torch.testing.assert_close(feat(pixels), expected)
+    assert feat(torch.zeros(1, 3, 299, 299, dtype=torch.uint8)).shape == (1, feat.num_features)
+
+
+def test_grid_puts_each_class_on_its_row():
+    images = torch.linspace(-1, 1, 10).view(10, 1, 1, 1).expand(10, 1, 4, 4)
+    labels = torch.arange(10)
+    g = report.grid(images, labels, cols=1, cell=4)
+    rows = [g[c * 6, 0, 0] for c in range(10)]  # cell 4 + gap 2
+    assert rows == sorted(rows) and rows[0] == 0 and rows[-1] == 255
+    assert np.all(g[4:6] == 255)  # the gap between rows
