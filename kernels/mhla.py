@@ -300,8 +300,6 @@ def _dense_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One tile of raster queries against every key, key block by key block, so that the mixing
-    weight is one gathered value per query row and key block (not one per query-key pair)."""
     bh, pid_q = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     q_ptr = _head(q_ptr, b, h, sqb, sqh)
@@ -317,26 +315,23 @@ def _dense_kernel(
     mask_n = n < N
     fq, rq = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n.to(tl.int64), mask_n, d, mask_d,
                        BLOCK_Q, BLOCK_D, ELU, ROPE)
-    fq, rq = fq.to(DOT), rq.to(DOT)  # operands only from here on: keep the narrow copies live
-    rows = mix_ptr + _block_of(n, T, H, W, NBT, NBH, NBW) * M  # this tile's rows of the mixing matrix
+    rows = _block_of(n, T, H, W, NBT, NBH, NBW) * M  # this tile's rows of the mixing matrix
     acc = tl.zeros((BLOCK_Q, BLOCK_DV), tl.float32)
     den = tl.zeros((BLOCK_Q,), tl.float32)
-    for m in range(0, M):
-        t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, 0, N, T, H, W, NBT, NBH, NBW)
-        weight = tl.load(rows + m, mask=mask_n, other=0.0)[:, None]
-        for r in range(r0, r1, BLOCK_K):
-            rr = r + tl.arange(0, BLOCK_K)
-            mask_j = rr < r1
-            j = _raster(rr, t0, h0, w0, lh, lw, H, W)
-            fk, rk = _features(k_ptr, skn, cos_ptr, sin_ptr, scn, scd, j, mask_j, d, mask_d,
-                               BLOCK_K, BLOCK_D, ELU, ROPE)
-            a = tl.dot(rq, tl.trans(rk.to(DOT)), input_precision=PRECISION) * weight
-            y = _load_rows(v_ptr, j, svn, mask_j, e, mask_e)
-            acc += tl.dot(a.to(DOT), y.to(DOT), input_precision=PRECISION)
-            if NORMALIZE:
-                if ROPE:  # the normalizer sees unrotated features
-                    a = tl.dot(fq, tl.trans(fk.to(DOT)), input_precision=PRECISION) * weight
-                den += tl.sum(a, axis=1)
+    for j0 in range(0, N, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        mask_j = j < N
+        fk, rk = _features(k_ptr, skn, cos_ptr, sin_ptr, scn, scd, j.to(tl.int64), mask_j, d, mask_d,
+                           BLOCK_K, BLOCK_D, ELU, ROPE)
+        w = tl.load(mix_ptr + rows[:, None] + _block_of(j, T, H, W, NBT, NBH, NBW)[None, :],
+                    mask=mask_n[:, None] & mask_j[None, :], other=0.0)
+        a = tl.dot(rq.to(DOT), tl.trans(rk.to(DOT)), input_precision=PRECISION) * w
+        y = _load_rows(v_ptr, j.to(tl.int64), svn, mask_j, e, mask_e)
+        acc += tl.dot(a.to(DOT), y.to(DOT), input_precision=PRECISION)
+        if NORMALIZE:
+            if ROPE:  # the normalizer sees unrotated features
+                a = tl.dot(fq.to(DOT), tl.trans(fk.to(DOT)), input_precision=PRECISION) * w
+            den += tl.sum(a, axis=1)
     if NORMALIZE:
         acc = acc / (den + eps)[:, None]
     tl.store(o_ptr + n.to(tl.int64)[:, None] * son + e[None, :], acc.to(o_ptr.dtype.element_ty),
@@ -423,7 +418,7 @@ CONFIG = {
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024},
     "grad": {"block_n": 128, "num_warps": 8, "num_stages": 1, "programs": 1024},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
-    "dense": {"block_q": 64, "block_k": 32, "num_warps": 8, "num_stages": 2},
+    "dense": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
 }
 
 
@@ -491,7 +486,7 @@ def dense_output(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool,
     cfg = dict(CONFIG["dense"])
     block_d, block_dv = _pow2(g.D), _pow2(g.DV)
     if q.dtype == torch.float32 or max(block_d, block_dv) > MAX_TILE:  # shared memory and registers
-        cfg.update(block_q=32, block_k=16, num_warps=8, num_stages=1)
+        cfg.update(block_q=32, block_k=32, num_warps=8, num_stages=1)
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=v.dtype)
     cos, sin, cs = _rope_args(rope, g, q)
     dot, precision = _dot_types(q.dtype)
