@@ -16,9 +16,9 @@ sum of block Gram matrices over batch, heads and D x Dv, is a fourth kernel, `_g
 
 Small token counts, forward without autograd: `_dense_kernel` evaluates the same output from
 the dense formula, o_n = sum_j Mc[b(n), b(j)] (rope(phi(q_n)) . rope(phi(k_j))) v_j [/ den_n], in
-query x key tiles as flash attention does (O(N^2 D) work, O(N) memory, one launch). Below a few
-thousand tokens that beats the linear path, whose 4 launches of tiny latency-bound programs
-cost more than the arithmetic they save.
+query x key tiles as flash attention does (O(N^2 D) work, O(N) memory, one launch). At a few
+hundred tokens that beats the linear path, whose 4 launches of tiny latency-bound programs cost
+more than the arithmetic they save; by 1,024 tokens it no longer does (op.DENSE_MAX_TOKENS).
 Summaries are fp32 (B*heads, M, D, Dv); every accumulation is fp32.
 `reference_*` beside each launcher is the plain PyTorch meaning of that kernel, for tests.
 """
