@@ -24,12 +24,18 @@ from mhla_diffusion import zoo
 REPO = Path(__file__).resolve().parents[1]
 
 
-def launch(script: str, *args, processes: int = 1) -> str:
+def launch(script: str, *args, processes: int = 1, ok: bool = True) -> str:
+    """Run a recipe under `accelerate launch` on the CPU; its output. `ok=False`: it must fail.
+
+    accelerate's `--cpu` starts one process whatever `--num_processes` says; `--multi_gpu` with
+    ACCELERATE_USE_CPU starts them through torchrun and they join a gloo group."""
+    mode = "--cpu" if processes == 1 else "--multi_gpu"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
-           "--cpu", "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "recipes" / script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+           mode, "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "recipes" / script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+    assert (run.returncode == 0) == ok, f"{' '.join(cmd)}\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
     return run.stdout + run.stderr
 
 
