@@ -6,8 +6,9 @@
 Loads the original model, converts its self-attention (all layers, a list, or hybrid), and
 trains it with the family's upstream objective (DDPM + learned variance for DiT/PixArt, flow
 matching for SANA/Wan), optionally distilling from the unconverted model. Every random draw of
-step k comes from a seed of (seed, k, micro-batch, rank), so a resumed run continues exactly as
-an uninterrupted one would. Helpers live in mhla_diffusion.training.
+step k comes from a seed of (seed, k, micro-batch, data-parallel rank), so a resumed run continues
+exactly as an uninterrupted one would. `--context_parallel P` splits each sample's tokens over the
+P processes (mhla_diffusion.training.sequence_parallel). Helpers live in mhla_diffusion.training.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from diffusers.training_utils import EMAModel
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from mhla_diffusion.training import checkpoint, conditioning, data, distill, model, objectives, validation
+from mhla_diffusion.training import checkpoint, conditioning, data, distill, model, objectives, sequence_parallel, validation
 from mhla_diffusion.training.config import load_config, parse_overrides, save_config
 from mhla_diffusion.training.families import model_output, recipe_for, transformer_inputs
 
@@ -56,6 +57,9 @@ def main(argv=None):
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp and (cfg.distill_output or cfg.distill_layers or cfg.ema_decay or cfg.validation_steps or cfg.train_mode == "lora"):
         raise ValueError("under FSDP the recipe supports full/mhla training without distillation, EMA, LoRA or validation samples")
+    sequence_parallel.check(cfg, accelerator.num_processes, fsdp)
+    cp_size = sequence_parallel.group_size(cfg)
+    data_rank = accelerator.process_index // cp_size  # the ranks of a context-parallel group draw the same numbers
     torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
     torch.manual_seed(cfg.seed)
     weight_dtype = WEIGHT_DTYPES[cfg.mixed_precision]
@@ -75,7 +79,7 @@ def main(argv=None):
         raise ValueError(f"{cfg.pretrained} is a bare transformer: raw images/videos need its pipeline (VAE, text encoder)")
     else:
         latent_shape = conditioning.latent_shape(pipe.vae, cfg.resolution, cfg.num_frames, recipe.video)
-    if len(dataset) < cfg.train_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes:
+    if len(dataset) < cfg.train_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes // cp_size:
         raise ValueError(f"{len(dataset)} samples in {cfg.data_dir} are fewer than one optimizer step consumes")
 
     distilling = bool(cfg.distill_output or cfg.distill_layers)
@@ -84,6 +88,8 @@ def main(argv=None):
         teacher = distill.build_teacher(transformer, model.frozen_parameter_ids(transformer, cfg), weight_dtype).to(device)
     model.convert_model(transformer, model.mhla_config(transformer, cfg, latent_shape))
     params = model.set_trainable(transformer, cfg)
+    if cp_size > 1:
+        sequence_parallel.enable(transformer, cfg)
     transformer.train()
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -104,7 +110,8 @@ def main(argv=None):
                                  num_training_steps=cfg.max_steps * accelerator.num_processes)
     loader = DataLoader(dataset, batch_size=cfg.train_batch_size, shuffle=True, drop_last=True,
                         num_workers=cfg.num_workers, collate_fn=data.collate)
-    transformer, optimizer, loader, lr_scheduler = accelerator.prepare(transformer, optimizer, loader, lr_scheduler)
+    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    loader = sequence_parallel.prepare_loader(accelerator, loader, cfg)
     ema = None
     if cfg.ema_decay:
         ema = EMAModel(params, decay=cfg.ema_decay)
@@ -148,12 +155,12 @@ def main(argv=None):
         batches.set_epoch(epoch)  # the shuffle order is a function of (seed, epoch)
         n_batches = steps_per_epoch * cfg.gradient_accumulation_steps - skip  # whole optimizer steps only
         for micro, batch in enumerate(itertools.islice(batches, n_batches)):
-            torch.manual_seed(step_seed(cfg.seed, global_step, micro % cfg.gradient_accumulation_steps, accelerator.process_index))
+            torch.manual_seed(step_seed(cfg.seed, global_step, micro % cfg.gradient_accumulation_steps, data_rank))
             skipped += batch.pop("skipped")
             with accelerator.accumulate(transformer):
                 losses = losses_of(batch)
                 loss = sum(losses.values())
-                accelerator.backward(loss)
+                accelerator.backward(loss * cp_size)  # DDP averages; the group's partial gradients add up
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(transformer.parameters(), cfg.max_grad_norm)
                 optimizer.step()
@@ -169,7 +176,7 @@ def main(argv=None):
                 ema.step(params)
             if global_step % cfg.log_every == 0 or global_step == cfg.max_steps:
                 scalars = {k: accelerator.reduce(v, "mean").item() for k, v in logged.items()}
-                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": accelerator.reduce(skipped, "sum").item()})
+                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": accelerator.reduce(skipped, "sum").item() / cp_size})
                 accelerator.log(scalars, step=global_step)
                 bar.set_postfix(loss=f"{scalars['loss']:.4f}")
             logged = {}

@@ -93,6 +93,23 @@ def test_bad_inputs_fail_before_training(tmp_path, sana_dir, one_image):
         train.main([*base, "--data_dir", str(one_image), "--resume", "latest"])
 
 
+def test_context_parallel_refusals(tmp_path, sana_dir, one_image):
+    """What context_parallel does not do fails at once with the reason (one process here)."""
+    train = recipe("train")
+    base = ["--pretrained", str(sana_dir), "--output_dir", str(tmp_path / "out"), "--data_dir", str(one_image),
+            "--resolution", "32", "--num_workers", "0", "--context_parallel", "2"]
+    with pytest.raises(ValueError, match="context_parallel 2 needs exactly 2 processes, got 1"):
+        train.main(base)
+    with pytest.raises(ValueError, match="does not support validation samples"):
+        train.main([*base, "--validation_steps", "1", "--validation_prompts", '["a cat"]'])
+    with pytest.raises(ValueError, match="does not support per-layer distillation"):
+        train.main([*base, "--distill_layers", "1.0"])
+    with pytest.raises(ValueError, match="does not support partly converted models"):
+        train.main([*base, "--mhla_layers", "hybrid:2"])
+    with pytest.raises(ValueError, match="context_parallel must be >= 0"):
+        load_config(None, {"pretrained": "x", "context_parallel": -1})
+
+
 def test_lora_trains_only_lora_and_mhla_parameters():
     transformer = zoo.build_transformer("dit")  # DiT has no add_adapter: the inject path
     convert(transformer, default_config(transformer, blocks=(1, 2, 2)))

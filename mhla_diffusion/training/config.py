@@ -66,6 +66,7 @@ class TrainConfig:
     allow_tf32: bool = True
     ema_decay: float = 0.0  # 0 = no EMA
     seed: int = 0
+    context_parallel: int = 0  # >1: split each sample's tokens over this many processes (all of them); 0 = off
     # checkpoints, logs, samples
     output_dir: str = "outputs/run"
     checkpointing_steps: int = 500
@@ -95,6 +96,8 @@ class TrainConfig:
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_steps", "checkpointing_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.context_parallel < 0:
+            raise ValueError(f"context_parallel must be >= 0 (0 = off), got {self.context_parallel}")
 
 
 def _coerce(name: str, kind, value):
