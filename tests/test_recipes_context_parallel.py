@@ -41,17 +41,21 @@ def args(wan, out):
     # parameter whose true gradient is ~0 (cross-attention over a tiny text encoder) moves by
     # lr * sign(rounding noise), and the weights would not be comparable.
     return ["--pretrained", wan / "wan", "--data_dir", wan / "clips", "--resolution", SIZE, "--num_frames", FRAMES,
-            "--mhla_blocks", "2,2,2", "--train_batch_size", "1", "--max_steps", "3", "--learning_rate", "1",
+            "--mhla_blocks", "2,2,2", "--train_batch_size", "1", "--learning_rate", "1",
             "--adam_epsilon", "1", "--ema_decay", "0.5", "--distill_output", "0.5", "--num_workers", "0",
             "--log_every", "1", "--output_dir", out]
 
 
 def test_two_process_context_parallel_matches_one_process(wan):
     """Full fine-tuning with EMA and output distillation, 3 steps over an epoch boundary: the same
-    batches, noise and timesteps on both ranks, and rank-summed gradients, give one process's run."""
+    batches, noise and timesteps on both ranks, and rank-summed gradients, give one process's run,
+    also when the two-process run stops after step 1 (mid-epoch) and resumes."""
     one, two = wan / "one", wan / "two"
-    launch("train.py", *args(wan, one))
-    launch("train.py", *args(wan, two), "--context_parallel", "2", processes=2)
+    launch("train.py", *args(wan, one), "--max_steps", "3")
+    cp = [*args(wan, two), "--context_parallel", "2", "--checkpointing_steps", "1"]
+    launch("train.py", *cp, "--max_steps", "1", processes=2)
+    out = launch("train.py", *cp, "--max_steps", "3", "--resume", "latest", processes=2)
+    assert "resumed from" in out and "skipping 1 batches" in out
     for tag in ("loss", "diffusion", "distill_output"):
         assert len(scalars(one, tag)) == 3
         assert scalars(two, tag) == pytest.approx(scalars(one, tag), rel=1e-5), tag
