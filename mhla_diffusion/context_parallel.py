@@ -72,6 +72,14 @@ def _enable_on_cpu(transformer, config, plan) -> None:
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers.models._modeling_parallel import ParallelConfig
 
+    from .processors import MHLAProcessorBase
+
+    for i, attn in enumerate(self_attentions(transformer)):
+        if not isinstance(attn.processor, MHLAProcessorBase):
+            raise ValueError(
+                f"self-attention layer {i} keeps {type(attn.processor).__name__}, whose context-parallel attention "
+                "needs CUDA; on a CPU-only host convert every layer (layers='all')"
+            )
     if not dist.is_initialized():
         raise RuntimeError("initialise torch.distributed (e.g. launch with torchrun) before enabling context parallelism")
     if transformer._parallel_config is not None:

@@ -80,6 +80,10 @@ def test_plans_and_refusals():
     md.convert(dit, md.default_config(dit, layers="hybrid:3"))
     with pytest.raises(ValueError, match="layer 2 uses AttnProcessor2_0"):
         enable_context_parallel(dit, None)
+    hybrid_wan = zoo.build_transformer("wan", num_layers=3)  # diffusers' Wan processor is CP-aware, but CUDA-only
+    md.convert(hybrid_wan, md.default_config(hybrid_wan, layers="hybrid:3"))
+    with pytest.raises(ValueError, match="layer 2 keeps WanAttnProcessor.*CPU-only host"):
+        enable_context_parallel(hybrid_wan, None)
 
 
 def comm_rows():
