@@ -94,6 +94,11 @@ class BlockLayout:
     num_blocks: int
     max_len: int
 
+    def to(self, device) -> "BlockLayout":
+        move = lambda x: x.to(device)  # noqa: E731
+        return BlockLayout(move(self.slot_index), move(self.token_slot), move(self.token_block), self.num_blocks,
+                           self.max_len)
+
 
 def pack_blocks(token_block: torch.Tensor, num_blocks: int) -> BlockLayout:
     """The layout of tokens (in raster order) whose block ids are `token_block`, ids < num_blocks."""
@@ -128,9 +133,7 @@ def block_layout(grid, blocks, device=None) -> BlockLayout:
 
 @lru_cache(maxsize=64)
 def _layout_on(grid: Grid, blocks: Grid, device: torch.device) -> BlockLayout:
-    lay = _layout_cpu(grid, blocks)
-    move = lambda x: x.to(device)  # noqa: E731
-    return BlockLayout(move(lay.slot_index), move(lay.token_slot), move(lay.token_block), lay.num_blocks, lay.max_len)
+    return _layout_cpu(grid, blocks).to(device)
 
 
 def block_coords(blocks) -> torch.Tensor:

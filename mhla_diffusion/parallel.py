@@ -36,8 +36,7 @@ def _local_layout(grid, blocks, start: int, end: int, device: torch.device) -> t
     token_block = block_layout(grid, blocks).token_block[start:end]
     ids = torch.unique(token_block)  # sorted global ids of the blocks the slice touches
     lay = pack_blocks(torch.searchsorted(ids, token_block), ids.numel())
-    move = lambda x: x.to(device)  # noqa: E731
-    return BlockLayout(move(lay.slot_index), move(lay.token_slot), move(lay.token_block), lay.num_blocks, lay.max_len), move(ids)
+    return lay.to(device), ids.to(device)
 
 
 def local_layout(grid, blocks, start: int, end: int, device) -> tuple[BlockLayout, torch.Tensor]:
