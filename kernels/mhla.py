@@ -91,11 +91,17 @@ def _head(ptr, b, h, sb, sh):
 
 @triton.jit
 def _raster(r, t0, h0, w0, lh, lw, H, W):
-    """Raster token index of the r-th token (raster order) inside a block."""
-    t = t0 + r // (lh * lw)
-    h = h0 + (r // lw) % lh
-    w = w0 + r % lw
-    return ((t * H + h) * W + w).to(tl.int64)
+    """Raster token index of the r-th token (raster order) inside a block.
+
+    The two divisions by run-time extents are done in fp32 with the row's +0.5 offset (exact for
+    r < 2**21): integer division by a run-time divisor costs ~20 instructions per row.
+    """
+    lhw = lh * lw
+    t = ((r.to(tl.float32) + 0.5) * (1.0 / lhw.to(tl.float32))).to(tl.int32)
+    rem = r - t * lhw
+    h = ((rem.to(tl.float32) + 0.5) * (1.0 / lw.to(tl.float32))).to(tl.int32)
+    w = rem - h * lw
+    return (((t0 + t) * H + h0 + h) * W + w0 + w).to(tl.int64)
 
 
 @triton.jit
@@ -119,7 +125,9 @@ def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d,
               BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr):
     """phi(x) (zero outside the tile), and the rotated features used in numerators."""
     x = _load_rows(x_ptr, n, sxn, mask_n, d, mask_d)
-    fx = tl.where(mask_n[:, None] & mask_d[None, :], _phi(x, ELU), 0.0)
+    fx = _phi(x, ELU)  # relu of the masked loads' zeros is zero; elu + 1 of them is one:
+    if ELU:
+        fx = tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
     rx = fx
     if ROPE:
         cos = _load_rows(cos_ptr, n, scn, mask_n, d, mask_d, scd)
@@ -412,28 +420,43 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 
 
 # Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md); "programs"
-# is how many programs to aim for (tokens per program follow from it).
+# is how many programs to aim for (tokens per program follow from it); "maxnreg" caps registers per
+# thread (None: the compiler's choice).
 CONFIG = {
-    "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128},
-    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024},
-    "grad": {"block_n": 128, "num_warps": 8, "num_stages": 1, "programs": 1024},
+    "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
+    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
+    "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "dense": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
 }
 
 
 def _config(kernel: str, dtype: torch.dtype, block_d: int) -> dict:
-    """CONFIG[kernel], shrunk for fp32 operands or D tiles over 128 so shared memory suffices."""
+    """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128); for fp32 operands or D tiles over 128, a
+    small unpipelined tile on 8 warps without a register cap, so shared memory and registers suffice."""
     cfg = dict(CONFIG[kernel])
     if dtype != torch.bfloat16 or block_d > MAX_TILE:
-        cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1)
+        cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
     return cfg
+
+
+def _launch(cfg: dict) -> dict:
+    """Triton launch options of a config: warps, pipeline depth, and a register cap where one is set
+    (a cap that lets two programs share a multiprocessor can beat one unconstrained program)."""
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
+    return options
 
 
 def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None):
     """(S, z): S[bh, m] = sum rope(phi(x))^T (y * y_scale), z[bh, m] = sum phi(x) * z_weight (fp32)."""
     block_d = min(_pow2(g.D), MAX_TILE)
     cfg = _config("summary", x.dtype, block_d)
+    if block_d < MAX_TILE or g.max_len < 4 * cfg["block_n"]:
+        # The register cap fits two programs of a 128-wide accumulator per SM; it pays only when each
+        # program walks many tiles (H200: Wan, 14B, SANA-like 112 gain; DiT-XL at <= 64 tokens per block loses).
+        cfg["maxnreg"] = None
     block_dv = min(_pow2(g.DV), cfg["max_dv"])
     d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * d_tiles * dv_tiles, cfg["programs"])
@@ -450,7 +473,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, D_TILES=d_tiles, DV_TILES=dv_tiles,
         ELU=elu, ROPE=rope is not None, SCALE_Y=y_scale is not None, WEIGHT_Z=z_weight is not None,
         WITH_Z=with_z, ATOMIC=splits > 1, DOT=dot, PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_launch(cfg),
     )
     return s, z
 
@@ -476,7 +499,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
         g.heads, g.M, *g.args, g.D, g.DV, tok, eps,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
         ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_launch(cfg),
     )
     return o
 
@@ -497,7 +520,7 @@ def dense_output(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool,
         g.heads, g.N, g.M, *g.args, g.D, g.DV, eps,
         BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"], BLOCK_D=block_d, BLOCK_DV=block_dv,
         ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_launch(cfg),
     )
     return o
 
@@ -523,7 +546,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
         g.heads, g.N, g.M, *g.args, g.D, g.DV, tok, eps,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
         ELU=elu, ROPE=rope is not None, STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy,
-        DOT=dot, PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT=dot, PRECISION=precision, **_launch(cfg),
     )
     return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
 
@@ -543,7 +566,11 @@ def _tf32(enabled: bool):
 
 
 def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_b mix[i, b] s[:, b]: one batched GEMM over (B*heads, M, prod(rest))."""
+    """sum_b mix[i, b] s[:, b]: one batched GEMM over (B*heads, M, prod(rest)).
+
+    cuBLAS (TF32 for 16-bit inputs): a Triton tile kernel writing bf16 S~ measured 2-3x slower
+    (H200, Wan 480p: 0.087 vs 0.045 ms; with mix^T 0.120 vs 0.046), see kernels/NOTES.md.
+    """
     with _tf32(dtype != torch.float32):
         return torch.matmul(mix, s.flatten(2)).view(s.shape)
 
