@@ -13,7 +13,7 @@ import argparse
 import math
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from ..blocks import locality_mix
 from . import mhla
@@ -22,7 +22,7 @@ from .op import mhla_attention_triton
 SHAPES = {"wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8))}
 SWEEP = {
     "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "programs": (256, 1024, 4096),
-    "max_dv": (64, 128), "block_k": (32, 64, 128),
+    "max_dv": (64, 128), "block_k": (32, 64, 128), "maxnreg": (None, 128, 168),
 }
 KERNEL_STAGES = {
     "summary": ("fwd: summaries", "bwd: dS~ summaries"),
@@ -64,13 +64,15 @@ def stages(name: str) -> dict:
 
 
 def op_times(name: str) -> tuple[float, float]:
+    """GPU time (CUDA graph replay) of the whole op, forward and forward+backward: eager calls at these
+    sizes also carry Python launch cost, which varies from host to host."""
     heads, d, grid, blocks = SHAPES[name]
     q, k, v, do, mix = _inputs(heads, d, grid, blocks)
     leaves = [t.requires_grad_() for t in (q, k, v, mix)]
     fn = lambda: mhla_attention_triton(*leaves, grid, blocks)  # noqa: E731
     with torch.no_grad():
-        fwd = do_bench(fn, return_mode="median")
-    return fwd, do_bench(lambda: fn().backward(do), grad_to_none=leaves, return_mode="median")
+        fwd = do_bench_cudagraph(fn, return_mode="median")
+    return fwd, do_bench_cudagraph(lambda: fn().backward(do), grad_to_none=leaves, return_mode="median")
 
 
 def tune(kernel: str, shape: str) -> None:
