@@ -1,0 +1,118 @@
+"""Developer tool: the kernels compiled for Hopper (sm_90) on any machine, GPU or not, and what they use.
+
+    python -c "from mhla_diffusion.kernels.resources import main; main()" [--sass DIR]
+
+For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`), specialized as the
+JIT specializes a Wan2.1 call (pointers, strides and head dims divisible by 16), prints registers per
+thread, stack (spilled) bytes, shared memory, and counts of the SASS instructions that decide speed:
+tensor-core ops (HGMMA), async copies (LDGSTS), 16-byte and scalar 16-bit global loads, local-memory
+traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
+Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps
+mean one program per SM; LDG.E.U16 in a hot loop means a load lost its vectorization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import mhla
+
+HOPPER = GPUTarget("cuda", 90, 32)
+FP32_POINTERS = {"cos_ptr", "sin_ptr", "ys_ptr", "zw_ptr", "s_ptr", "z_ptr", "mat_ptr", "vec_ptr", "rden_ptr", "c_ptr",
+                 "mix_ptr"}
+# Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
+DIVISIBLE = re.compile(r"^(s(?!c)[a-z]+[bnh]|D|DV)$")
+INSTRUCTIONS = ("HGMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
+BF16 = dict(DOT=tl.bfloat16, PRECISION="tf32", scd=1)  # RoPE tables: fp32, unit stride along D (JIT: constant 1)
+TILE = dict(BLOCK_D=128, BLOCK_DV=128)
+# name: (kernel, CONFIG entry, constexprs besides the config's block_n)
+KERNELS = {
+    "summary fwd": (mhla._summary_kernel, "summary", dict(
+        D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, ATOMIC=False)),
+    "summary fwd rope": (mhla._summary_kernel, "summary", dict(
+        D_TILES=1, DV_TILES=1, ELU=False, ROPE=True, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, ATOMIC=False)),
+    "summary bwd dS~": (mhla._summary_kernel, "summary", dict(
+        D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=True, WEIGHT_Z=True, WITH_Z=True, ATOMIC=False)),
+    "output": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True)),
+    "grad dq": (mhla._grad_kernel, "grad", dict(
+        DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False)),
+    "grad dk dv": (mhla._grad_kernel, "grad", dict(
+        DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
+}
+
+
+def _tool(name: str) -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: this Triton install carries no {name} for NVIDIA targets")
+    return path
+
+
+def compile_for_hopper(kernel, constexprs: dict, options: dict):
+    """The kernel compiled for sm_90 with `constexprs` fixed and the other arguments typed as a call passes them."""
+    signature, fixed, attrs = {}, {}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg], fixed[(i,)] = "constexpr", constexprs[arg]
+            continue
+        if arg.endswith("_ptr"):
+            signature[arg] = "*fp32" if arg in FP32_POINTERS else "*bf16"
+        else:
+            signature[arg] = "fp32" if arg == "eps" else "i32"
+        if arg.endswith("_ptr") or DIVISIBLE.match(arg):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, fixed, attrs), target=HOPPER, options=options)
+
+
+def usage(compiled) -> dict:
+    """Registers, stack and shared memory from the binary's resource table; instruction counts from its SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        table = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", table))
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    row = {"registers": int(found["REG"]), "stack": int(found["STACK"]), "shared": compiled.metadata.shared}
+    row.update({name: sum(op == name or op.startswith(name + ".") for op in ops) for name in INSTRUCTIONS})
+    row["sass"] = sass
+    return row
+
+
+def report() -> dict:
+    """Usage of each kernel in KERNELS at its bf16 128 x 128 configuration."""
+    rows = {}
+    for name, (kernel, entry, constexprs) in KERNELS.items():
+        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"])
+        compiled = compile_for_hopper(kernel, {**constexprs, **TILE, **BF16, "BLOCK_N": cfg["block_n"]},
+                                      mhla._launch(cfg))
+        rows[name] = usage(compiled)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", metavar="DIR", help="also write each kernel's SASS to DIR")
+    args = parser.parse_args(argv)
+    rows = report()
+    print("| kernel | regs | stack B | smem B | " + " | ".join(INSTRUCTIONS) + " |")
+    print("|---" * (4 + len(INSTRUCTIONS)) + "|")
+    for name, row in rows.items():
+        cells = [row["registers"], row["stack"], row["shared"], *(row[op] for op in INSTRUCTIONS)]
+        print(f"| {name} | " + " | ".join(str(c) for c in cells) + " |")
+        if args.sass:
+            os.makedirs(args.sass, exist_ok=True)
+            with open(os.path.join(args.sass, name.replace(" ", "_") + ".sass"), "w") as f:
+                f.write(row["sass"])
