@@ -570,9 +570,13 @@ def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.
 
     cuBLAS (TF32 for 16-bit inputs): a Triton tile kernel writing bf16 S~ measured 2-3x slower
     (H200, Wan 480p: 0.087 vs 0.045 ms; with mix^T 0.120 vs 0.046), see kernels/NOTES.md.
+    `mix` is detached: for a 2-D operand that requires grad (a model's mixing Parameter), torch.matmul
+    folds the product into one mm on a transposed copy of s and copies the result back, grad mode or
+    not; that is three extra passes over the summaries (the gap between `bench op` and direct calls).
+    Gradients reach mix through the custom op's backward, not through this product.
     """
     with _tf32(dtype != torch.float32):
-        return torch.matmul(mix, s.flatten(2)).view(s.shape)
+        return torch.matmul(mix.detach(), s.flatten(2)).view(s.shape)
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

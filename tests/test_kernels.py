@@ -97,3 +97,22 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(forward["regs"]) <= 128 and int(forward["stack B"]) == 0 and int(forward["LDL"]) == 0
     assert int(forward["LDGSTS"]) > 0 and int(forward["LDG.E.U16"]) == 0
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
+def test_mixing_product_copies_no_summaries_when_mix_is_a_parameter(transposed):
+    """The mixing matrix of a converted model is a Parameter. torch.matmul folds a product with a 2-D
+    operand that requires grad into an mm on a transposed copy of the summaries (even under no_grad);
+    `mix_blocks` must stay one batched GEMM with no copy, for mix and for the backward's mix^T view."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mhla_diffusion.kernels import mhla
+
+    mix = torch.nn.Parameter(torch.rand(6, 6))
+    mat = mix.t() if transposed else mix
+    s = torch.randn(4, 6, 8, 8)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = mhla.mix_blocks(mat, s, torch.bfloat16)
+    ops = {event.name for event in prof.events()}
+    assert "aten::bmm" in ops and not ops & {"aten::mm", "aten::clone", "aten::contiguous", "aten::copy_"}, ops
+    torch.testing.assert_close(out, torch.einsum("ij,bjde->bide", mat.detach(), s))
