@@ -39,6 +39,8 @@ from ..reference import apply_rope, feature_map
 # Largest tile edge for a summary accumulator, and largest D x Dv tile a program keeps.
 MAX_TILE = 128
 MAX_TILE_AREA = 128 * 128
+# `_raster` divides in fp32: exact for token ranks inside a block below this.
+MAX_BLOCK_TOKENS = 2**21
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,7 +96,8 @@ def _raster(r, t0, h0, w0, lh, lw, H, W):
     """Raster token index of the r-th token (raster order) inside a block.
 
     The two divisions by run-time extents are done in fp32 with the row's +0.5 offset (exact for
-    r < 2**21): integer division by a run-time divisor costs ~20 instructions per row.
+    r < MAX_BLOCK_TOKENS, which Geometry enforces): integer division by a run-time divisor costs ~20
+    instructions per row.
     """
     lhw = lh * lw
     t = ((r.to(tl.float32) + 0.5) * (1.0 / lhw.to(tl.float32))).to(tl.int32)
@@ -385,6 +388,10 @@ class Geometry:
         self.BH = self.B * self.heads
         # Longest block: the block grid is a product of per-axis cuts of ceil(L / n) tokens at most.
         self.max_len = math.prod(-(-length // n) for length, n in zip(self.grid, self.blocks))
+        if self.max_len >= MAX_BLOCK_TOKENS:
+            raise ValueError(f"blocks {self.blocks} of grid {self.grid} hold up to {self.max_len} tokens; the Triton "
+                             f"kernels index blocks of fewer than {MAX_BLOCK_TOKENS} (use more blocks, or "
+                             "backend='torch')")
         self.args = (*self.grid, *self.blocks)
 
 

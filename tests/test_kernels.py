@@ -66,6 +66,16 @@ def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
         mhla_attention(q, q, q, locality_mix((1, 2, 2)).float(), (1, 3, 4), (1, 2, 2), backend="triton")
 
 
+def test_triton_backend_refuses_blocks_too_long_to_index(monkeypatch):
+    """The kernels find a block's tokens with fp32 division, exact below 2**21 tokens per block: a longer
+    block (here plain linear attention, one block, over 2**21 tokens) gets a clear error, not wrong rows."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    grid = (1, 1024, 2048)
+    q = torch.zeros(1, 1, 1, 8).expand(1, 2**21, 1, 8)  # no memory: the call must stop before any kernel
+    with pytest.raises(ValueError, match="fewer than 2097152.*more blocks"):
+        mhla_attention(q, q, q, torch.ones(1, 1), grid, (1, 1, 1), backend="triton")
+
+
 def test_auto_backend_on_cpu_is_the_reference():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 12, 2, 8, generator=g) for _ in range(3))
