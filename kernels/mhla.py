@@ -438,12 +438,19 @@ CONFIG = {
 }
 
 
-def _config(kernel: str, dtype: torch.dtype, block_d: int) -> dict:
+def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int) -> dict:
     """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128); for fp32 operands or D tiles over 128, a
-    small unpipelined tile on 8 warps without a register cap, so shared memory and registers suffice."""
+    small unpipelined tile on 8 warps without a register cap, so shared memory and registers suffice.
+
+    A register cap fits two programs of a 128-wide tile per SM; it pays only when each program walks
+    many token tiles (H200: Wan, 14B, SANA-like D = 112 gain; narrower D tiles, and DiT-XL at <= 64
+    tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles.
+    """
     cfg = dict(CONFIG[kernel])
     if dtype != torch.bfloat16 or block_d > MAX_TILE:
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
+    elif block_d < MAX_TILE or max_len < 4 * cfg["block_n"]:
+        cfg["maxnreg"] = None
     return cfg
 
 
@@ -459,11 +466,7 @@ def _launch(cfg: dict) -> dict:
 def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None):
     """(S, z): S[bh, m] = sum rope(phi(x))^T (y * y_scale), z[bh, m] = sum phi(x) * z_weight (fp32)."""
     block_d = min(_pow2(g.D), MAX_TILE)
-    cfg = _config("summary", x.dtype, block_d)
-    if block_d < MAX_TILE or g.max_len < 4 * cfg["block_n"]:
-        # The register cap fits two programs of a 128-wide accumulator per SM; it pays only when each
-        # program walks many tiles (H200: Wan, 14B, SANA-like 112 gain; DiT-XL at <= 64 tokens per block loses).
-        cfg["maxnreg"] = None
+    cfg = _config("summary", x.dtype, block_d, g.max_len)
     block_dv = min(_pow2(g.DV), cfg["max_dv"])
     d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * d_tiles * dv_tiles, cfg["programs"])
@@ -495,7 +498,7 @@ def _full_d_tiles(g: Geometry):
 def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, out_dtype):
     """o = rope(phi(q)) S~_b [/ (phi(q) . z~_b + eps)], written in raster order."""
     block_d, block_dv, dv_tiles = _full_d_tiles(g)
-    cfg = _config("output", q.dtype, block_d)
+    cfg = _config("output", q.dtype, block_d, g.max_len)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * dv_tiles, cfg["programs"])
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
@@ -538,7 +541,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
     Returns (dx, dy or None, rden or None, c or None).
     """
     block_d, block_dv, dv_tiles = _full_d_tiles(g)
-    cfg = _config("grad", x.dtype, block_d)
+    cfg = _config("grad", x.dtype, block_d, g.max_len)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M, cfg["programs"])
     dx = torch.empty((g.B, g.N, g.heads, g.D), device=x.device, dtype=x.dtype)
     dy = torch.empty((g.B, g.N, g.heads, g.DV), device=x.device, dtype=y.dtype) if with_dy else dx
