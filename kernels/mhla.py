@@ -19,7 +19,8 @@ the dense formula, o_n = sum_j Mc[b(n), b(j)] (rope(phi(q_n)) . rope(phi(k_j))) 
 query x key tiles as flash attention does (O(N^2 D) work, O(N) memory, one launch). At a few
 hundred tokens that beats the linear path, whose 4 launches of tiny latency-bound programs cost
 more than the arithmetic they save; by 1,024 tokens it no longer does (op.DENSE_MAX_TOKENS).
-Summaries are fp32 (B*heads, M, D, Dv); every accumulation is fp32.
+Summaries (B*heads, M, D, Dv) are stored in the type the token kernels multiply them in (`state_dtype`:
+bf16 for bf16 inputs, fp32 otherwise); normalizer sums z are fp32; every accumulation is fp32.
 `reference_*` beside each launcher is the plain PyTorch meaning of that kernel, for tests.
 """
 
@@ -201,7 +202,7 @@ def _summary_kernel(
         if WITH_Z:
             tl.atomic_add(z_ptr + base * D + d, zacc, mask=z_mask)
     else:
-        tl.store(s_ptr + s_off, acc, mask=s_mask)
+        tl.store(s_ptr + s_off, acc.to(s_ptr.dtype.element_ty), mask=s_mask)
         if WITH_Z:
             tl.store(z_ptr + base * D + d, zacc, mask=z_mask)
 
@@ -463,16 +464,27 @@ def _launch(cfg: dict) -> dict:
     return options
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage type of the summaries S: the operand type the token kernels multiply them in.
+
+    bf16 inputs: bf16, which halves the bytes of the mixing GEMM and of every read after it (the output and
+    grad kernels round S~ to bf16 anyway); fp16 inputs keep fp32, as block sums can overflow fp16.
+    """
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None):
-    """(S, z): S[bh, m] = sum rope(phi(x))^T (y * y_scale), z[bh, m] = sum phi(x) * z_weight (fp32)."""
+    """(S, z): S[bh, m] = sum rope(phi(x))^T (y * y_scale) (in `state_dtype`), z[bh, m] = sum phi(x) * z_weight
+    (fp32). Programs that split a block add into fp32 with atomics; S is rounded once after."""
     block_d = min(_pow2(g.D), MAX_TILE)
     cfg = _config("summary", x.dtype, block_d, g.max_len)
     block_dv = min(_pow2(g.DV), cfg["max_dv"])
     d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * d_tiles * dv_tiles, cfg["programs"])
     splits = triton.cdiv(g.max_len, tok)
+    state = state_dtype(x.dtype)
     alloc = torch.zeros if splits > 1 else torch.empty
-    s = alloc((g.BH, g.M, g.D, g.DV), device=x.device, dtype=torch.float32)
+    s = alloc((g.BH, g.M, g.D, g.DV), device=x.device, dtype=torch.float32 if splits > 1 else state)
     z = alloc((g.BH, g.M, g.D), device=x.device, dtype=torch.float32)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
@@ -485,7 +497,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
         WITH_Z=with_z, ATOMIC=splits > 1, DOT=dot, PRECISION=precision,
         **_launch(cfg),
     )
-    return s, z
+    return s.to(state), z
 
 
 def _full_d_tiles(g: Geometry):
@@ -576,9 +588,9 @@ def _tf32(enabled: bool):
 
 
 def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_b mix[i, b] s[:, b]: one batched GEMM over (B*heads, M, prod(rest)).
+    """sum_b mix[i, b] s[:, b]: one batched GEMM over (B*heads, M, prod(rest)), in s's type (fp32 accumulate).
 
-    cuBLAS (TF32 for 16-bit inputs): a Triton tile kernel writing bf16 S~ measured 2-3x slower
+    cuBLAS (fp32 s in TF32 for 16-bit inputs): a Triton tile kernel writing bf16 S~ measured 2-3x slower
     (H200, Wan 480p: 0.087 vs 0.045 ms; with mix^T 0.120 vs 0.046), see kernels/NOTES.md.
     `mix` is detached: for a 2-D operand that requires grad (a model's mixing Parameter), torch.matmul
     folds the product into one mm on a transposed copy of s and copies the result back, grad mode or
@@ -586,7 +598,7 @@ def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.
     Gradients reach mix through the custom op's backward, not through this product.
     """
     with _tf32(dtype != torch.float32):
-        return torch.matmul(mix.detach(), s.flatten(2)).view(s.shape)
+        return torch.matmul(mix.detach().to(s.dtype), s.flatten(2)).view(s.shape)
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -612,7 +624,6 @@ def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
 def mhla_forward(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
     """Output and the per-block state (S, z) the backward needs."""
     s, z = block_summaries(k, v, rope, g, elu=elu, with_z=True)
-    mix = mix.float()
     o = block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype), rope, g, elu=elu,
                      normalize=normalize, eps=eps, out_dtype=v.dtype)
     return o, s, z
@@ -620,15 +631,14 @@ def mhla_forward(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool,
 
 def mhla_backward(do, q, k, v, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
     """Gradients (dq, dk, dv, dmix) from the inputs and the saved per-block state."""
-    mix32 = mix.float()
-    mixed_s, mixed_z = mix_blocks(mix32, s, q.dtype), mix_blocks(mix32, z, q.dtype)
+    mixed_s, mixed_z = mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype)
     dq, _, rden, c = block_grad(q, do, mixed_s, mixed_z, rope, g, elu=elu, stats=normalize, use_vec=normalize,
                                 with_dy=False, eps=eps)
     ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
     dmix = block_gram(ds_mixed, s, q.dtype)
     if normalize:
         dmix += block_gram(dz_mixed, z, q.dtype)
-    mix_t = mix32.t()
+    mix_t = mix.t()
     dk, dv, _, _ = block_grad(k, v, mix_blocks(mix_t, ds_mixed, q.dtype), mix_blocks(mix_t, dz_mixed, q.dtype), rope,
                               g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
     return dq, dk, dv, dmix.to(mix.dtype)

@@ -1,7 +1,7 @@
 """The Triton MHLA path as torch custom ops, so autograd and torch.compile see one opaque node.
 
-`mhla_fwd` returns (o, S, z); S, z (fp32 per-block summaries) are the only state the backward
-keeps besides the inputs. Gradients flow to q, k, v and mix; RoPE tables get none.
+`mhla_fwd` returns (o, S, z); S, z (per-block summaries: S in `mhla.state_dtype`, z fp32) are the only
+state the backward keeps besides the inputs. Gradients flow to q, k, v and mix; RoPE tables get none.
 `mhla_dense` is the forward-only small-N kernel, taken when no gradient is needed.
 """
 
@@ -56,9 +56,9 @@ def mhla_fwd(
 def _(q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature):
     b, n, heads, d = q.shape
     dv, m = v.shape[-1], mix.shape[0]
-    state = dict(device=q.device, dtype=torch.float32)
     return (q.new_empty((b, n, heads, dv), dtype=v.dtype),
-            torch.empty((b * heads, m, d, dv), **state), torch.empty((b * heads, m, d), **state))
+            q.new_empty((b * heads, m, d, dv), dtype=mhla.state_dtype(q.dtype)),
+            q.new_empty((b * heads, m, d), dtype=torch.float32))
 
 
 @torch.library.custom_op("mhla_diffusion::mhla_bwd", mutates_args=())

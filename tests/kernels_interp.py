@@ -155,15 +155,17 @@ def compile_case():
 
 
 def opcheck_case():
-    """torch.library.opcheck: schema, fake tensor and autograd registration of the forward op."""
+    """torch.library.opcheck: schema, fake tensor (output types per input type) and autograd registration."""
     configure(FEW)
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 24, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
-    mix = torch.rand(4, 4, generator=gen, requires_grad=True)
-    args = (q, k, v, mix, None, None, [1, 4, 6], [1, 2, 2], True, 1e-6, "relu")
-    torch.library.opcheck(mhla_fwd, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    detached = tuple(t.detach() if torch.is_tensor(t) else t for t in args)
-    torch.library.opcheck(mhla_dense, detached, test_utils=("test_schema", "test_faketensor"))
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, 24, 2, 8, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+        mix = torch.rand(4, 4, generator=gen, requires_grad=True)
+        args = (q, k, v, mix, None, None, [1, 4, 6], [1, 2, 2], True, 1e-6, "relu")
+        torch.library.opcheck(mhla_fwd, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        detached = tuple(t.detach() if torch.is_tensor(t) else t for t in args)
+        torch.library.opcheck(mhla_dense, detached, test_utils=("test_schema", "test_faketensor"))
     return {"ok": 0.0}
 
 

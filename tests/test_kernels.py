@@ -35,7 +35,9 @@ CASES = [
     "torch.compile fullgraph",
     "opcheck",
 ]
-# fp32 kernels against fp64 references land near 1e-7; fp16 inputs near 3e-4.
+# fp32 kernels against fp64 references land near 1e-7; fp16 inputs near 3e-4. bf16 numerics are checked on
+# the GPU only (`bench op --check`): Triton's interpreter multiplies bf16 tiles wrongly (tl.dot of two bf16
+# operands returns ~1e10 for unit inputs, triton 3.8), so opcheck below covers bf16 types, not values.
 TOLERANCE = {"torch.float32": 1e-5, "torch.float16": 3e-3}
 
 
