@@ -356,7 +356,9 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
     """out[i, j] += sum over (bh, f) of a[bh, i, f] b[bh, j, f], f split over programs.
 
     cuBLAS runs this shape (M x M outputs, K = B*heads*D*Dv) on a handful of CTAs; here the
-    K range is cut into many programs whose partial M x M tiles meet in fp32 atomics.
+    K range is cut into programs whose partial M x M tiles meet in fp32 atomics. Each program adds
+    M*M atomics on the same addresses, so the split stays coarse (CONFIG "programs": 256; 1024
+    measured 0.161 vs 0.068 ms at Wan 480p, H200).
     """
     pid_f, pid_ij, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_j = tl.cdiv(M, BLOCK_M)
