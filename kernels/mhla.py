@@ -11,15 +11,16 @@ bounds and raster indices are computed in the kernel; nothing is permuted or cop
   per-token 1/den and c = -(rope(phi(q)) . P)/den^2 are computed and stored on the way) and for
   k, v (y = v, Mat = dS, vec = dz, dy = dv).
 
-Mixing across blocks (S~ = mix @ S, dS = mix^T dS~) is a batched matmul in PyTorch; dmix, a
-sum of block Gram matrices over batch, heads and D x Dv, is a fourth kernel, `_gram_kernel`.
+Summaries are laid out block-major, (M, B*heads, D, Dv), so that mixing across blocks (S~ = mix @ S,
+dS = mix^T dS~) is one plain GEMM, (M x M) @ (M x B*heads*D*Dv), in PyTorch; dmix, the Gram matrix of
+two such (M x B*heads*D*Dv) operands, is a fourth kernel, `_gram_kernel`.
 
 Small token counts, forward without autograd: `_dense_kernel` evaluates the same output from
 the dense formula, o_n = sum_j Mc[b(n), b(j)] (rope(phi(q_n)) . rope(phi(k_j))) v_j [/ den_n], in
 query x key tiles as flash attention does (O(N^2 D) work, O(N) memory, one launch). At a few
 hundred tokens that beats the linear path, whose 4 launches of tiny latency-bound programs cost
 more than the arithmetic they save; by 1,024 tokens it no longer does (op.DENSE_MAX_TOKENS).
-Summaries (B*heads, M, D, Dv) are stored in the type the token kernels multiply them in (`state_dtype`:
+Summaries are stored in the type the token kernels multiply them in (`state_dtype`:
 bf16 for bf16 inputs, fp32 otherwise); normalizer sums z are fp32; every accumulation is fp32.
 `reference_*` beside each launcher is the plain PyTorch meaning of that kernel, for tests.
 """
@@ -109,6 +110,12 @@ def _raster(r, t0, h0, w0, lh, lw, H, W):
 
 
 @triton.jit
+def _state_row(m, bh):
+    """Row of block m, batch-head bh in the block-major (M, B*heads, ...) summaries; grid axis 0 is B*heads."""
+    return (m * tl.num_programs(0) + bh).to(tl.int64)
+
+
+@triton.jit
 def _block_of(n, T, H, W, NBT, NBH, NBW):
     """Block id of raster tokens n: per axis the i with floor(iL/nb) <= pos < floor((i+1)L/nb)."""
     it = ((n // (H * W) + 1) * NBT - 1) // T
@@ -192,7 +199,7 @@ def _summary_kernel(
                 zacc += fx * tl.load(zw_ptr + bh * N + n, mask=mask_n, other=0.0)[:, None]
             else:
                 zacc += fx  # zero outside the block's tokens already
-    base = (bh * M + m).to(tl.int64)
+    base = _state_row(m, bh)
     s_off = (base * D + d[:, None]) * DV + e[None, :]
     s_mask = mask_d[:, None] & mask_e[None, :] & (r0 < r1)
     z_mask = mask_d & (r0 < r1) & (vt == 0)
@@ -226,7 +233,7 @@ def _output_kernel(
     d = tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
-    base = (bh * M + m).to(tl.int64)
+    base = _state_row(m, bh)
     mat = tl.load(s_ptr + (base * D + d[:, None]) * DV + e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
     mat = mat.to(DOT)
     zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
@@ -262,7 +269,7 @@ def _grad_kernel(
     sin_ptr = _head(sin_ptr, b, h, scb, sch)
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
-    base = (bh * M + m).to(tl.int64)
+    base = _state_row(m, bh)
     mat_rows = mat_ptr + (base * D + d[:, None]) * DV
     e0 = tl.arange(0, BLOCK_DV)
     mat0 = tl.load(mat_rows + e0[None, :], mask=mask_d[:, None] & (e0 < DV)[None, :], other=0.0).to(DOT)
@@ -353,21 +360,19 @@ def _dense_kernel(
 @triton.jit
 def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """out[i, j] += sum over (bh, f) of a[bh, i, f] b[bh, j, f], f split over programs.
+    """out[i, j] += sum over f of a[i, f] b[j, f] ((M, F) operands), f split over programs.
 
     cuBLAS runs this shape (M x M outputs, K = B*heads*D*Dv) on a handful of CTAs; here the
     K range is cut into programs whose partial M x M tiles meet in fp32 atomics. Each program adds
     M*M atomics on the same addresses, so the split stays coarse (CONFIG "programs": 256; 1024
     measured 0.161 vs 0.068 ms at Wan 480p, H200).
     """
-    pid_f, pid_ij, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_f, pid_ij = tl.program_id(0), tl.program_id(1)
     n_j = tl.cdiv(M, BLOCK_M)
     i = (pid_ij // n_j) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = (pid_ij % n_j) * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_ptr += bh.to(tl.int64) * M * F
-    b_ptr += bh.to(tl.int64) * M * F
     acc = tl.zeros((BLOCK_M, BLOCK_M), tl.float32)
-    f0 = pid_f * F_PER
+    f0 = pid_f.to(tl.int64) * F_PER
     for f in range(f0, tl.minimum(f0 + F_PER, F), BLOCK_K):
         kk = f + tl.arange(0, BLOCK_K)
         mk = kk < F
@@ -476,7 +481,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None):
-    """(S, z): S[bh, m] = sum rope(phi(x))^T (y * y_scale) (in `state_dtype`), z[bh, m] = sum phi(x) * z_weight
+    """(S, z), block-major: S[m, bh] = sum rope(phi(x))^T (y * y_scale) (in `state_dtype`), z[m, bh] = sum phi(x) * z_weight
     (fp32). Programs that split a block add into fp32 with atomics; S is rounded once after."""
     block_d = min(_pow2(g.D), MAX_TILE)
     cfg = _config("summary", x.dtype, block_d, g.max_len)
@@ -486,8 +491,8 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     splits = triton.cdiv(g.max_len, tok)
     state = state_dtype(x.dtype)
     alloc = torch.zeros if splits > 1 else torch.empty
-    s = alloc((g.BH, g.M, g.D, g.DV), device=x.device, dtype=torch.float32 if splits > 1 else state)
-    z = alloc((g.BH, g.M, g.D), device=x.device, dtype=torch.float32)
+    s = alloc((g.M, g.BH, g.D, g.DV), device=x.device, dtype=torch.float32 if splits > 1 else state)
+    z = alloc((g.M, g.BH, g.D), device=x.device, dtype=torch.float32)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
     _summary_kernel[(g.BH, g.M * d_tiles * dv_tiles, splits)](
@@ -590,30 +595,29 @@ def _tf32(enabled: bool):
 
 
 def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_b mix[i, b] s[:, b]: one batched GEMM over (B*heads, M, prod(rest)), in s's type (fp32 accumulate).
+    """sum_b mix[i, b] s[b]: block-major s makes this one GEMM, (M x M) @ (M x rest), in s's type (fp32
+    accumulate; fp32 s in TF32 for 16-bit inputs).
 
-    cuBLAS (fp32 s in TF32 for 16-bit inputs): a Triton tile kernel writing bf16 S~ measured 2-3x slower
-    (H200, Wan 480p: 0.087 vs 0.045 ms; with mix^T 0.120 vs 0.046), see kernels/NOTES.md.
-    `mix` is detached: for a 2-D operand that requires grad (a model's mixing Parameter), torch.matmul
-    folds the product into one mm on a transposed copy of s and copies the result back, grad mode or
-    not; that is three extra passes over the summaries (the gap between `bench op` and direct calls).
-    Gradients reach mix through the custom op's backward, not through this product.
+    The layout is the point: with (B*heads, M, ...) summaries it was a batched GEMM of B*heads (M x M) @
+    (M x D*Dv) products, which cuBLAS ran at ~1.7 TB/s whatever the type (H200, Wan 480p: 28 us for fp32 and
+    for bf16). `mix` is detached (gradients reach it through the custom op's backward): torch.matmul with a
+    grad-requiring 2-D operand and a batched one folds into a copy of s, grad mode or not.
     """
     with _tf32(dtype != torch.float32):
-        return torch.matmul(mix.detach().to(s.dtype), s.flatten(2)).view(s.shape)
+        return torch.mm(mix.detach().to(s.dtype), s.flatten(1)).view(s.shape)
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum over batch and features of a[bh, i] . b[bh, j]: (M, M) fp32, as dmix needs it."""
-    bh, m = a.shape[:2]
-    f = a[0, 0].numel()
+    """sum over batch, heads and features of a[i] . b[j] (block-major a, b): (M, M) fp32, as dmix needs it."""
+    m = a.shape[0]
+    f = a[0].numel()
     cfg = CONFIG["gram"]
     block_m = max(16, min(64, _pow2(m)))
     tiles = triton.cdiv(m, block_m) ** 2
-    splits = max(1, min(triton.cdiv(f, cfg["block_k"]), triton.cdiv(cfg["programs"], bh * tiles)))
+    splits = max(1, min(triton.cdiv(f, cfg["block_k"]), triton.cdiv(cfg["programs"], tiles)))
     f_per = triton.cdiv(triton.cdiv(f, splits), cfg["block_k"]) * cfg["block_k"]
     out = torch.zeros((m, m), device=a.device, dtype=torch.float32)
-    _gram_kernel[(triton.cdiv(f, f_per), tiles, bh)](
+    _gram_kernel[(triton.cdiv(f, f_per), tiles)](
         a, b, out, m, f, f_per, BLOCK_M=block_m, BLOCK_K=cfg["block_k"], PRECISION=_dot_types(dtype)[1],
         num_warps=4, num_stages=cfg["num_stages"],
     )
@@ -675,14 +679,15 @@ def reference_summaries(x, y, rope, g: Geometry, *, elu: bool, y_scale=None, z_w
     fx, rx = _ref_features(x, rope, elu)
     y = y.double() * (_per_token(y_scale, g) if y_scale is not None else 1)
     fx = fx * (_per_token(z_weight, g) if z_weight is not None else 1)
-    return torch.einsum("bmld,bmle->bmde", _to_blocks(rx, g), _to_blocks(y, g)), _to_blocks(fx, g).sum(2)
+    s = torch.einsum("bmld,bmle->mbde", _to_blocks(rx, g), _to_blocks(y, g))
+    return s, _to_blocks(fx, g).sum(2).transpose(0, 1)
 
 
 def reference_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
     fq, rq = _ref_features(q, rope, elu)
-    out = torch.einsum("bmld,bmde->bmle", _to_blocks(rq, g), mixed_s.double())
+    out = torch.einsum("bmld,mbde->bmle", _to_blocks(rq, g), mixed_s.double())
     if normalize:
-        out = out / (torch.einsum("bmld,bmd->bml", _to_blocks(fq, g), mixed_z.double()).unsqueeze(-1) + eps)
+        out = out / (torch.einsum("bmld,mbd->bml", _to_blocks(fq, g), mixed_z.double()).unsqueeze(-1) + eps)
     return _from_blocks(out, g)
 
 
@@ -690,7 +695,7 @@ def reference_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool,
     """(dx, dy, rden, c) as `block_grad` defines them, by autograd through the block products."""
     x = x.double().requires_grad_()
     fx, rx = _ref_features(x, rope, elu)
-    mat, vec = mat.double(), vec.double()
+    mat, vec = mat.double().transpose(0, 1), vec.double().transpose(0, 1)  # block-major -> (B*h, M, ...)
     p = _from_blocks(torch.einsum("bmle,bmde->bmld", _to_blocks(y.double(), g), mat), g)
     dy = _from_blocks(torch.einsum("bmld,bmde->bmle", _to_blocks(rx.detach(), g), mat), g)
     zvec = _from_blocks(vec.unsqueeze(2).expand(-1, -1, _to_blocks(x, g).shape[2], -1), g)

@@ -1,6 +1,6 @@
 """The Triton MHLA path as torch custom ops, so autograd and torch.compile see one opaque node.
 
-`mhla_fwd` returns (o, S, z); S, z (per-block summaries: S in `mhla.state_dtype`, z fp32) are the only
+`mhla_fwd` returns (o, S, z); S, z (per-block summaries, block-major: S in `mhla.state_dtype`, z fp32) are the only
 state the backward keeps besides the inputs. Gradients flow to q, k, v and mix; RoPE tables get none.
 `mhla_dense` is the forward-only small-N kernel, taken when no gradient is needed.
 """
@@ -57,8 +57,8 @@ def _(q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature):
     b, n, heads, d = q.shape
     dv, m = v.shape[-1], mix.shape[0]
     return (q.new_empty((b, n, heads, dv), dtype=v.dtype),
-            q.new_empty((b * heads, m, d, dv), dtype=mhla.state_dtype(q.dtype)),
-            q.new_empty((b * heads, m, d), dtype=torch.float32))
+            q.new_empty((m, b * heads, d, dv), dtype=mhla.state_dtype(q.dtype)),
+            q.new_empty((m, b * heads, d), dtype=torch.float32))
 
 
 @torch.library.custom_op("mhla_diffusion::mhla_bwd", mutates_args=())

@@ -109,8 +109,8 @@ def stage_case(launch):
     rope = tuple(t.float() for t in rope_tables(n, d, gen))
     g = mhla.Geometry(x, y, grid, blocks)
     scale, weight = (torch.rand(g.BH, n, generator=gen) + 0.5 for _ in range(2))
-    mat = torch.randn(g.BH, g.M, d, dv, generator=gen)
-    vec = torch.rand(g.BH, g.M, d, generator=gen) + 0.5
+    mat = torch.randn(g.M, g.BH, d, dv, generator=gen)  # block-major, as the kernels keep summaries
+    vec = torch.rand(g.M, g.BH, d, generator=gen) + 0.5
     errors = {}
 
     s, z = mhla.block_summaries(x, y, rope, g, elu=True, with_z=True, y_scale=scale, z_weight=weight)
@@ -127,8 +127,8 @@ def stage_case(launch):
             if a is not None:
                 errors[f"grad stats={stats} {name}"] = rel(a, b)
 
-    a, b = torch.randn(g.BH, g.M, d, dv, generator=gen), torch.randn(g.BH, g.M, d, dv, generator=gen)
-    errors["gram"] = rel(mhla.block_gram(a, b, torch.float32), torch.einsum("bide,bjde->ij", a.double(), b.double()))
+    a, b = torch.randn(g.M, g.BH, d, dv, generator=gen), torch.randn(g.M, g.BH, d, dv, generator=gen)
+    errors["gram"] = rel(mhla.block_gram(a, b, torch.float32), torch.einsum("ibde,jbde->ij", a.double(), b.double()))
     return errors
 
 

@@ -112,19 +112,19 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
-def test_mixing_product_copies_no_summaries_when_mix_is_a_parameter(transposed):
-    """The mixing matrix of a converted model is a Parameter. torch.matmul folds a product with a 2-D
-    operand that requires grad into an mm on a transposed copy of the summaries (even under no_grad);
-    `mix_blocks` must stay one batched GEMM with no copy, for mix and for the backward's mix^T view."""
+def test_mixing_product_is_one_gemm_without_copies(transposed):
+    """Mixing block-major summaries is one plain GEMM, also when mix is a model's Parameter (torch.matmul
+    folds a grad-requiring 2-D operand with a batched one into copies of the summaries, even under no_grad)
+    and for the backward's mix^T view."""
     from torch.profiler import ProfilerActivity, profile
 
     from mhla_diffusion.kernels import mhla
 
     mix = torch.nn.Parameter(torch.rand(6, 6))
     mat = mix.t() if transposed else mix
-    s = torch.randn(4, 6, 8, 8)
+    s = torch.randn(6, 4, 8, 8)  # (M, B*heads, D, Dv)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         out = mhla.mix_blocks(mat, s, torch.bfloat16)
     ops = {event.name for event in prof.events()}
-    assert "aten::bmm" in ops and not ops & {"aten::mm", "aten::clone", "aten::contiguous", "aten::copy_"}, ops
-    torch.testing.assert_close(out, torch.einsum("ij,bjde->bide", mat.detach(), s))
+    assert "aten::mm" in ops and not ops & {"aten::bmm", "aten::clone", "aten::contiguous", "aten::copy_"}, ops
+    torch.testing.assert_close(out, torch.einsum("ij,jbde->ibde", mat.detach(), s))
