@@ -481,8 +481,9 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None):
-    """(S, z), block-major: S[m, bh] = sum rope(phi(x))^T (y * y_scale) (in `state_dtype`), z[m, bh] = sum phi(x) * z_weight
-    (fp32). Programs that split a block add into fp32 with atomics; S is rounded once after."""
+    """(S, z), block-major: S[m, bh] = sum rope(phi(x))^T (y * y_scale) in `state_dtype`, and
+    z[m, bh] = sum phi(x) * z_weight in fp32. Programs that split a block add into fp32 with atomics;
+    S is rounded once after."""
     block_d = min(_pow2(g.D), MAX_TILE)
     cfg = _config("summary", x.dtype, block_d, g.max_len)
     block_dv = min(_pow2(g.DV), cfg["max_dv"])
