@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
+from tqdm.auto import tqdm
 
 from ..blocks import locality_mix, resolve_blocks
 from ..reference import mhla_attention_reference
+from . import mhla
 from .op import mhla_attention_triton
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
@@ -62,7 +64,7 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
 
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [mix.clone().requires_grad_()]
     outs = [((batch, n, heads, dv), dtype), ((batch, n, heads, d), dtype), ((batch, n, heads, d), dtype),
-            ((batch, n, heads, dv), dtype), ((batch * heads, m, d, dv), torch.float32)]
+            ((batch, n, heads, dv), dtype), ((m, batch * heads, d, dv), mhla.state_dtype(dtype))]
     _poison(outs, device)
     o = mhla_attention_triton(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
                               **kwargs)
@@ -86,10 +88,10 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
 
 
 def run_checks(dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
+    """Every case in every dtype (minutes at real sizes: a progress bar on stderr)."""
     torch.manual_seed(0)
     results = []
-    for case in CASES:
-        for dtype in dtypes:
-            results.append(check_case(*case, dtype))
-            torch.cuda.empty_cache()
+    for case, dtype in tqdm([(c, dt) for c in CASES for dt in dtypes], desc="bench op --check", unit="case"):
+        results.append(check_case(*case, dtype))
+        torch.cuda.empty_cache()
     return results
