@@ -46,8 +46,8 @@ def rope_tables(n, d, gen):
 
 
 def op_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normalize=True, feature="relu",
-            rope=False, fused_qkv=False, launch=FEW, seed=0):
-    """Forward and q, k, v, mix gradients of the custom op against the fp64 reference."""
+            rope=False, fused_qkv=False, launch=FEW, seed=0, scale=1.0):
+    """Forward and q, k, v, mix gradients of the custom op against the fp64 reference (q, k, v ~ N(0, scale^2))."""
     configure(launch)
     gen = torch.Generator().manual_seed(seed)
     n, m = math.prod(grid), math.prod(blocks)
@@ -56,6 +56,7 @@ def op_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normali
     else:
         q, k = (torch.randn(batch, n, heads, d, generator=gen) for _ in range(2))
         v = torch.randn(batch, n, heads, dv, generator=gen)
+    q, k, v = q * scale, k * scale, v * scale
     mix = locality_mix(blocks) + 0.1 * torch.rand(m, m, generator=gen, dtype=torch.float64)
     tables = rope_tables(n, d, gen) if rope else None
     do = torch.randn(batch, n, heads, v.shape[-1], generator=gen)
@@ -176,6 +177,9 @@ CASES = {
     "rope normalized split programs": lambda: op_case((3, 4, 5), (2, 3, 2), 2, 16, 8, rope=True, launch=SPLIT),
     "D=136 Dv=72 (tiled D and Dv)": lambda: op_case((2, 3, 5), (1, 2, 2), 1, 136, 72, batch=1, feature="elu"),
     "fp16 rope": lambda: op_case((2, 5, 7), (1, 2, 3), 2, 16, 16, dtype=torch.float16, rope=True),
+    # two 256-token blocks of N(0, 100^2) inputs: block sums reach ~1e5, beyond fp16 range (summaries stay fp32)
+    "fp16 block sums beyond fp16 range": lambda: op_case((1, 16, 32), (1, 1, 2), 1, 16, 16, batch=1,
+                                                         dtype=torch.float16, scale=100.0),
     "dense ragged relu normalized": lambda: dense_case((2, 5, 7), (1, 2, 3), 2, 16, 16),
     "dense elu rope unnormalized Dv!=D": lambda: dense_case((1, 9, 11), (1, 2, 3), 3, 24, 40, batch=1,
                                                            normalize=False, feature="elu", rope=True),

@@ -26,6 +26,7 @@ CASES = [
     "rope normalized split programs",
     "D=136 Dv=72 (tiled D and Dv)",
     "fp16 rope",
+    "fp16 block sums beyond fp16 range",
     "dense ragged relu normalized",
     "dense elu rope unnormalized Dv!=D",
     "dense rope normalized D=136 Dv=72",
