@@ -1,7 +1,8 @@
 """The Triton MHLA path as torch custom ops, so autograd and torch.compile see one opaque node.
 
 `mhla_fwd` returns (o, S, z); S, z (per-block summaries, block-major (M, B*heads, ...): S in
-`mhla.state_dtype`, z fp32) are the only state the backward keeps besides the inputs. Gradients flow to q, k, v and mix; RoPE tables get none.
+`mhla.state_dtype`, z fp32) are the only state the backward keeps besides the inputs. Gradients
+flow to q, k, v and mix; RoPE tables get none.
 `mhla_dense` is the forward-only small-N kernel, taken when no gradient is needed.
 """
 
