@@ -25,6 +25,18 @@ from .conversion import (  # noqa: E402
 from .ops import mhla_attention  # noqa: E402
 from .persistence import from_pretrained  # noqa: E402
 
+
+def __getattr__(name):
+    """The MHLA model classes (`MHLAWanTransformer3DModel`, ...), built on first use so that importing
+    the package does not import diffusers. diffusers' pipeline loader finds them here by the
+    `["mhla_diffusion", "MHLA..."]` entries of `model_index.json` (and asks for `ModelMixin` beside them)."""
+    if name == "ModelMixin" or name.startswith("MHLA") and name.endswith("Model"):
+        from . import models
+
+        return models.ModelMixin if name == "ModelMixin" else models.class_named(name)
+    raise AttributeError(f"module 'mhla_diffusion' has no attribute {name!r}")
+
+
 __all__ = [
     "MHLAConfig",
     "attn_processors",

@@ -39,13 +39,16 @@ def as_blocks(blocks) -> Grid:
     return blocks
 
 
-def check_blocks(grid, blocks) -> Grid:
-    """Validate that `blocks` cuts `grid` (at most one block per token along each axis)."""
+def check_blocks(grid, blocks, where: str = "") -> Grid:
+    """Validate that `blocks` cuts `grid` (at most one block per token along each axis).
+
+    where: what the grid is, for the message (e.g. "of WanTransformer3DModel at 480p x 81 frames").
+    """
     grid, blocks = as_grid(grid), as_blocks(blocks)
     bad = [f"{axis}: {n} blocks > {L} tokens" for axis, n, L in zip("THW", blocks, grid) if n > L]
     if bad:
         raise ValueError(
-            f"block grid {blocks} does not fit token grid {grid} ({'; '.join(bad)}); "
+            f"block grid {blocks} does not fit token grid {grid}{' ' + where if where else ''} ({'; '.join(bad)}); "
             "use at most as many blocks as tokens along each axis, or blocks='auto'"
         )
     return blocks

@@ -15,7 +15,11 @@ class MHLAConfig:
     """How self-attention layers are converted to MHLA.
 
     blocks: (bt, bh, bw) (or (bh, bw)) used at every resolution, or "auto": chosen per call
-        from the token grid with M^2 <= N (one mixing matrix per block grid seen).
+        from the token grid with M^2 <= N.
+    mix_blocks: the block grid the mixing logits are defined on (one free M x M matrix per layer);
+        a call whose block grid differs reads them resampled to its grid (trilinear in query and key
+        block coordinates), so what was learned at one size carries to every other. None (default):
+        `blocks` when fixed, else the "auto" grid of the model's default size; set at conversion.
     layers: "all", a list of self-attention layer indices, or "hybrid:K" (every K-th layer,
         counting from 1, keeps softmax; the released MHLA-H uses K = 3).
     feature: feature map phi ("relu" or "elu" = elu + 1).
@@ -28,6 +32,7 @@ class MHLAConfig:
     """
 
     blocks: tuple[int, int, int] | str = "auto"
+    mix_blocks: tuple[int, int, int] | None = None
     layers: list[int] | str = "all"
     feature: str = "relu"
     normalize: bool = True
@@ -43,6 +48,8 @@ class MHLAConfig:
                 self.blocks = parse_blocks(self.blocks)
         else:
             self.blocks = as_blocks(self.blocks)
+        if self.mix_blocks is not None:
+            self.mix_blocks = as_blocks(self.mix_blocks)
         self.layers = parse_layers(self.layers)
         if self.feature not in FEATURE_MAPS:
             raise ValueError(f"unknown feature map {self.feature!r}; choose one of {sorted(FEATURE_MAPS)}")
@@ -66,6 +73,7 @@ class MHLAConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["blocks"] = self.blocks if isinstance(self.blocks, str) else list(self.blocks)
+        d["mix_blocks"] = None if self.mix_blocks is None else list(self.mix_blocks)
         return d
 
     @classmethod

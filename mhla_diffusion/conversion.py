@@ -1,9 +1,16 @@
-"""Turn a diffusers transformer's self-attention into MHLA, in place."""
+"""Turn a diffusers transformer's self-attention into MHLA, in place.
+
+A converted transformer is an instance of its MHLA model class (`models.py`): the diffusers class
+it was, extended so that its config, `save_pretrained` and diffusers' loaders know it is MHLA.
+Everything it will ever train exists when conversion returns.
+"""
 
 from __future__ import annotations
 
-from .config import MHLAConfig
+from dataclasses import replace
+
 from .blocks import auto_blocks, check_blocks
+from .config import MHLAConfig
 from .families import default_grid, family_of, self_attentions, token_grid
 from .processors import MHLAProcessorBase, TokenGrid
 
@@ -28,64 +35,122 @@ def set_attn_processor(transformer, processors: dict) -> None:
         raise ValueError(f"processor dict does not match the model's attention layers (missing {sorted(missing)}, unknown {sorted(extra)})")
     for key, module in modules.items():
         module.set_processor(processors[key])
+    sync_config(transformer)
 
 
-def _grid_hook(transformer) -> TokenGrid:
-    """Install (once) the pre-hook that publishes each call's token grid to the processors."""
-    grid = getattr(transformer, "_mhla_token_grid", None)
-    if grid is None:
-        grid = TokenGrid()
+def resolve_config(transformer, config: MHLAConfig) -> MHLAConfig:
+    """`config` checked against the model's default size, with the mixing logits' block grid set.
 
-        def publish(module, args, kwargs):
-            hidden_states = args[0] if args else kwargs["hidden_states"]
-            grid.grid = token_grid(module, hidden_states)
-
-        transformer.register_forward_pre_hook(publish, with_kwargs=True)
-        transformer._mhla_token_grid = grid
-    return grid
-
-
-def mhla_processors(transformer, config: MHLAConfig | None = None) -> dict:
-    """The dict `transformer.set_attn_processor(...)` takes: fresh MHLA processors for the
-    converted self-attention layers, the current processor everywhere else.
-
-    It also installs the token-grid pre-hook and records `config` in the transformer's config.
+    Fixed blocks must fit the default size's token grid (image models: their sample_size; Wan:
+    480p x 81 frames); the logits live on the fixed grid, or on the "auto" grid of that size.
     """
+    grid, size = default_grid(transformer)
+    where = f"of {family_of(transformer).class_names[0]} at {size}"
+    if config.blocks != "auto":
+        check_blocks(grid, config.blocks, where)
+    mix_blocks = config.mix_blocks or (auto_blocks(grid) if config.blocks == "auto" else config.blocks)
+    check_blocks(grid, mix_blocks, where)
+    return replace(config, mix_blocks=mix_blocks)
+
+
+def publish_grid(module, args, kwargs) -> None:
+    """Forward pre-hook: tell the processors the token grid of this call (models pass none).
+
+    A module-level function reading the grid off the module, so a deepcopy or an unpickled copy of
+    the model publishes to its own processors.
+    """
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    module._mhla_token_grid.grid = token_grid(module, hidden_states)
+
+
+def build_processors(transformer, config: MHLAConfig) -> dict:
+    """MHLA processors for the layers `config` converts, by module path; makes `transformer` an
+    instance of its MHLA model class, with the grid hook and `config` in its config."""
+    from .models import mhla_class
+
     family = family_of(transformer)
-    config = config or default_config(transformer)
-    if is_converted(transformer):
-        raise ValueError("this transformer is already converted to MHLA; convert the original model, or reload with mhla_diffusion.from_pretrained")
-    native = default_grid(transformer)
-    if native is not None and config.blocks != "auto":
-        check_blocks(native, config.blocks)  # image models: bt must be 1, bh/bw fit the native grid
-    grid = _grid_hook(transformer)
-    procs = attn_processors(transformer)
-    names = {id(m): n for n, m in transformer.named_modules()}
     attns = self_attentions(transformer)
-    for i in config.converted_layers(len(attns)):
+    layers = config.converted_layers(len(attns))  # checks the indices before anything changes
+    transformer.__class__ = mhla_class(type(transformer))
+    if getattr(transformer, "_mhla_token_grid", None) is None:
+        transformer._mhla_token_grid = TokenGrid()
+        transformer.register_forward_pre_hook(publish_grid, with_kwargs=True)
+    names = {id(m): n for n, m in transformer.named_modules()}
+    procs = {}
+    for i in layers:
         attn = attns[i]
-        heads = attn.heads
-        inner = attn.inner_dim
-        dim = attn.to_out[0].out_features
-        proc = family.processor(config, heads, inner // heads, dim, grid)
-        if native is not None and config.blocks == "auto":
-            proc.mixing.add(auto_blocks(native))  # the native resolution's matrix exists from the start
+        proc = family.processor(config, attn.heads, attn.inner_dim // attn.heads, attn.to_out[0].out_features,
+                                transformer._mhla_token_grid)
         weight = attn.to_out[0].weight
         procs[f"{names[id(attn)]}.processor"] = proc.to(device=weight.device, dtype=weight.dtype)
     transformer.register_to_config(**{CONFIG_KEY: config.to_dict()})
     return procs
 
 
+def mhla_processors(transformer, config: MHLAConfig | None = None) -> dict:
+    """The dict `transformer.set_attn_processor(...)` takes: fresh MHLA processors for the
+    converted self-attention layers, the current processor everywhere else.
+
+    The transformer becomes its MHLA model class and records `config`; the processors' parameters
+    exist from here on (the mixing logits serve every resolution: see MHLAConfig.mix_blocks).
+    """
+    check_unconverted(transformer)
+    config = resolve_config(transformer, config or default_config(transformer))
+    return {**attn_processors(transformer), **build_processors(transformer, config)}
+
+
+def check_unconverted(transformer) -> None:
+    """Refuse a transformer that is already MHLA: converting again would throw its MHLA weights away."""
+    family_of(transformer)
+    if is_converted(transformer):
+        raise ValueError(f"this transformer is already converted to MHLA (layers {converted_indices(transformer)}); "
+                         "converting more layers later is not supported: convert the original model with every layer "
+                         "you want, or reload a converted one with mhla_diffusion.from_pretrained")
+
+
+def transformers_of(model_or_pipeline) -> dict:
+    """The supported transformers of a pipeline by component name (Wan2.2: `transformer` and
+    `transformer_2`), or {"": model} for a model."""
+    components = getattr(model_or_pipeline, "components", None)
+    if components is None:
+        family_of(model_or_pipeline)
+        return {"": model_or_pipeline}
+    found = {}
+    for name, component in components.items():
+        try:
+            family_of(component)
+        except ValueError:
+            continue
+        found[name] = component
+    if not found:
+        raise ValueError(f"{type(model_or_pipeline).__name__} has no supported transformer component")
+    return found
+
+
 def convert(model_or_pipeline, config: MHLAConfig | None = None):
-    """Convert a transformer, or a pipeline's `transformer`, in place; returns the transformer."""
-    transformer = getattr(model_or_pipeline, "transformer", model_or_pipeline)
-    set_attn_processor(transformer, mhla_processors(transformer, config))
-    return transformer
+    """Convert a transformer, or every transformer of a pipeline, in place; returns what it was given.
+
+    A pipeline's `model_index.json` then names the MHLA model classes, so plain
+    `DiffusionPipeline.from_pretrained` of its `save_pretrained` dir loads MHLA.
+    """
+    models = transformers_of(model_or_pipeline)
+    for model in models.values():  # all or none
+        check_unconverted(model)
+    for name, model in models.items():
+        set_attn_processor(model, mhla_processors(model, config))
+        if name:
+            setattr(model_or_pipeline, name, model)  # the pipeline's config records the component's new class
+    return model_or_pipeline
 
 
 def mhla_modules(transformer) -> dict:
     """The MHLA processors of a converted transformer, by module path."""
     return {n: m for n, m in transformer.named_modules() if isinstance(m, MHLAProcessorBase)}
+
+
+def converted_indices(transformer) -> list[int]:
+    """Indices of the self-attention layers that run MHLA now."""
+    return [i for i, attn in enumerate(self_attentions(transformer)) if isinstance(attn.processor, MHLAProcessorBase)]
 
 
 def is_converted(transformer) -> bool:
@@ -95,3 +160,31 @@ def is_converted(transformer) -> bool:
 def mhla_parameters(transformer):
     """Parameters MHLA added (mixing logits, output norm/gate), e.g. to re-enable them under LoRA."""
     return [p for m in mhla_modules(transformer).values() for p in m.parameters()]
+
+
+def sync_config(transformer) -> None:
+    """Keep the stored config true to the processors after they were replaced.
+
+    No MHLA processor left: the model is its original diffusers class again, with no MHLA config.
+    Some left: the config's layers are the converted ones. MHLA processors of different configs in
+    one model are refused: one config.json entry describes them all.
+    """
+    procs = [attn.processor for attn in self_attentions(transformer) if isinstance(attn.processor, MHLAProcessorBase)]
+    base = getattr(type(transformer), "_mhla_base", None)
+    if base is None:
+        return
+    if not procs:
+        transformer.__class__ = base
+        internal = dict(transformer._internal_dict)
+        internal.pop(CONFIG_KEY, None)
+        transformer._internal_dict = type(transformer._internal_dict)(internal)
+        return
+    configs = [replace(p.config, layers="all") for p in procs]
+    if any(c != configs[0] for c in configs):
+        raise ValueError("the MHLA processors of this model were built with different configs; build them all with "
+                         "one mhla_processors(model, config) call")
+    config = procs[0].config
+    layers = converted_indices(transformer)
+    if config.converted_layers(len(self_attentions(transformer))) != layers:
+        config = replace(config, layers=layers)
+    transformer.register_to_config(**{CONFIG_KEY: config.to_dict()})

@@ -16,6 +16,10 @@ class Family:
     defaults: dict = field(default_factory=dict)  # MHLAConfig fields of the released variant
     # pipeline arguments to sample at the asked height/width (PixArt and SANA snap to aspect-ratio bins)
     any_size: dict = field(default_factory=dict)
+    # the latent (frames, height, width) of the size the released models run at, for models whose config
+    # declares none (Wan has no sample_size); image models use their config's sample_size
+    default_latent: tuple[int, int, int] | None = None
+    default_size_name: str = ""
 
 
 FAMILIES = (
@@ -26,18 +30,21 @@ FAMILIES = (
     Family("sana", ("SanaTransformer2DModel",), "transformer_blocks", MHLASanaAttnProcessor, {"eps": 1e-15},
            any_size={"use_resolution_binning": False}),
     # The released Wan2.1 MHLA: no normalizer, per-head RMSNorm on the output, RoPE on the numerator.
-    Family("wan", ("WanTransformer3DModel",), "blocks", MHLAWanAttnProcessor, {"normalize": False, "output_norm": True}),
+    # 480p x 81 frames: the VAE's latent is 21 frames of 60 x 104.
+    Family("wan", ("WanTransformer3DModel",), "blocks", MHLAWanAttnProcessor, {"normalize": False, "output_norm": True},
+           default_latent=(21, 60, 104), default_size_name="480p x 81 frames"),
 )
 
 SUPPORTED = ", ".join(c for f in FAMILIES for c in f.class_names)
 
 
 def family_of(transformer) -> Family:
-    name = type(transformer).__name__
-    for fam in FAMILIES:
-        if name in fam.class_names:
-            return fam
-    raise ValueError(f"unsupported model class {name}; supported: {SUPPORTED}")
+    """The family of a transformer (an MHLA model class counts as the diffusers class it extends)."""
+    for cls in type(transformer).__mro__:
+        for fam in FAMILIES:
+            if cls.__name__ in fam.class_names:
+                return fam
+    raise ValueError(f"unsupported model class {type(transformer).__name__}; supported: {SUPPORTED}")
 
 
 def family_by_name(name: str) -> Family:
@@ -53,22 +60,23 @@ def self_attentions(transformer) -> list:
     return [block.attn1 for block in blocks]
 
 
-def default_grid(transformer) -> tuple[int, int, int] | None:
-    """The token grid at the model's native resolution, for image models that declare one."""
-    size = getattr(transformer.config, "sample_size", None)
-    patch = transformer.config.patch_size
-    if size is None or isinstance(patch, (tuple, list)):
-        return None
+def default_grid(transformer) -> tuple[tuple[int, int, int], str]:
+    """The token grid at the model's default size, and that size in words (for messages)."""
+    fam = family_of(transformer)
+    if fam.default_latent is not None:
+        return _patched(transformer.config.patch_size, fam.default_latent), fam.default_size_name
+    size = transformer.config.sample_size
     size = (size, size) if isinstance(size, int) else tuple(size)
-    return (1, size[0] // patch, size[1] // patch)
+    return _patched(transformer.config.patch_size, (1, *size)), f"its sample_size {size[0]} x {size[1]} latent"
 
 
 def token_grid(transformer, hidden_states) -> tuple[int, int, int]:
     """Post-patch (T, H, W) grid of a transformer input (B, C, H, W) or (B, C, F, H, W)."""
     spatial = tuple(hidden_states.shape[2:])
-    patch = transformer.config.patch_size
-    patch = tuple(patch) if isinstance(patch, (tuple, list)) else (patch,) * len(spatial)
-    if len(patch) == 3 and len(spatial) == 2:
-        patch = patch[1:]
-    grid = tuple(s // p for s, p in zip(spatial, patch))
-    return grid if len(grid) == 3 else (1, *grid)
+    return _patched(transformer.config.patch_size, spatial if len(spatial) == 3 else (1, *spatial))
+
+
+def _patched(patch, latent) -> tuple[int, int, int]:
+    """(T, H, W) tokens of a latent (frames, height, width) under the model's patch size."""
+    patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1, patch, patch)
+    return tuple(s // p for s, p in zip(latent, patch))

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .blocks import as_blocks, locality_mix
 
 FLOOR = 1e-4  # zeros of the init become this before the log: softmax rows are strictly positive
-
-
-def block_key(blocks) -> str:
-    return "x".join(str(n) for n in as_blocks(blocks))
 
 
 def initial_mix(blocks, mix_init: str) -> torch.Tensor:
@@ -27,34 +26,45 @@ def initial_mix(blocks, mix_init: str) -> torch.Tensor:
     raise ValueError(f"unknown mix_init {mix_init!r}")
 
 
-class MixingMatrices(nn.Module):
-    """Row-softmax of learned logits, one (M, M) matrix per block grid.
+def initial_logits(blocks, mix_init: str) -> torch.Tensor:
+    """fp32 logits whose row-softmax is the init (up to FLOOR)."""
+    return initial_mix(blocks, mix_init).clamp_min(FLOOR).log().float()
 
-    The logits start at log(max(Mc0, FLOOR)), so the first forward reproduces the init up to
-    the floor; rows stay in (0, 1) and sum to 1 through any optimizer step (MHLA_SPEC.md, s. 2).
-    With blocks="auto" a matrix is created the first time a block grid is seen.
+
+def resample_logits(logits: torch.Tensor, src, dst) -> torch.Tensor:
+    """(M_src, M_src) logits over block grid `src` -> (M_dst, M_dst) over `dst`.
+
+    Row i, column j hold the logit of query block i for key block j; both indices are points of a
+    3-D block grid, so the matrix is resampled like a pair of position embeddings: trilinearly at
+    block centres (align_corners=False), first along the key blocks, then along the query blocks.
+    """
+    src, dst = as_blocks(src), as_blocks(dst)
+    if src == dst:
+        return logits
+    m_src, m_dst = math.prod(src), math.prod(dst)
+    x = logits.float().reshape(m_src, 1, *src)
+    x = F.interpolate(x, size=dst, mode="trilinear", align_corners=False).reshape(m_src, m_dst)
+    x = x.t().reshape(m_dst, 1, *src)
+    return F.interpolate(x, size=dst, mode="trilinear", align_corners=False).reshape(m_dst, m_dst).t()
+
+
+class MixingMatrices(nn.Module):
+    """Row-softmax of one learned logit matrix, defined on the block grid `mix_blocks`.
+
+    The logits start at log(max(Mc0, FLOOR)), so at `mix_blocks` the first forward reproduces the
+    init up to the floor; rows stay in (0, 1) and sum to 1 through any optimizer step
+    (MHLA_SPEC.md, s. 2). Calls on another block grid read the logits resampled to it
+    (`resample_logits`): one parameter for every resolution, created here and never later.
     """
 
-    def __init__(self, mix_init: str = "locality", blocks=()):
+    def __init__(self, mix_init: str, mix_blocks):
         super().__init__()
-        self.mix_init = mix_init
-        self.logits = nn.ParameterDict()
-        for b in blocks:
-            self.add(b)
+        self.mix_blocks = as_blocks(mix_blocks)
+        self.logits = nn.Parameter(initial_logits(self.mix_blocks, mix_init))
 
-    def add(self, blocks, device=None) -> nn.Parameter:
-        key = block_key(blocks)
-        if key not in self.logits:
-            self._create(key, blocks, device)
-        return self.logits[key]
+    def extra_repr(self) -> str:
+        return f"mix_blocks={self.mix_blocks}"
 
-    @torch.compiler.disable
-    def _create(self, key: str, blocks, device) -> None:
-        """A new Parameter is a side effect: made eagerly, never traced into a compiled graph
-        (torch.compile breaks the graph once here, then recompiles with the matrix in place)."""
-        init = initial_mix(blocks, self.mix_init).clamp_min(FLOOR).log()
-        self.logits[key] = nn.Parameter(init.to(device=device, dtype=torch.float32))
-
-    def forward(self, blocks, device=None) -> torch.Tensor:
-        """The (M, M) fp32 mixing matrix for `blocks`."""
-        return self.add(blocks, device).float().softmax(dim=-1)
+    def forward(self, blocks) -> torch.Tensor:
+        """The (M, M) fp32 mixing matrix for the block grid `blocks` of one call."""
+        return resample_logits(self.logits.float(), self.mix_blocks, blocks).softmax(dim=-1)

@@ -25,7 +25,11 @@ GATE_OPEN_BIAS = 1.278464542761074
 
 
 class TokenGrid:
-    """The post-patch (T, H, W) token grid of the transformer call in flight."""
+    """The post-patch (T, H, W) token grid of the transformer call in flight.
+
+    One per converted transformer, held by the model and its processors alike (plain attributes),
+    so `copy.deepcopy` and pickling give the copy its own grid, shared by its own processors.
+    """
 
     def __init__(self):
         self.grid: tuple[int, int, int] | None = None
@@ -40,8 +44,9 @@ class MHLAProcessorBase(nn.Module):
         super().__init__()
         self.config = config
         self.heads, self.head_dim = heads, head_dim
-        fixed = [] if config.blocks == "auto" else [config.blocks]
-        self.mixing = MixingMatrices(config.mix_init, fixed)
+        if config.mix_blocks is None:
+            raise ValueError("MHLAConfig.mix_blocks is unset: build processors with mhla_diffusion.mhla_processors")
+        self.mixing = MixingMatrices(config.mix_init, config.mix_blocks)
         self.norm_gain = nn.Parameter(torch.ones(heads, head_dim)) if config.output_norm else None
         self.gate = None
         if config.output_gate:
@@ -70,7 +75,7 @@ class MHLAProcessorBase(nn.Module):
         c = self.config
         grid = self.current_grid(q.shape[1])
         blocks = resolve_blocks(grid, c.blocks)
-        mix = self.mixing(blocks, q.device)
+        mix = self.mixing(blocks)
         rope = rope if c.rope == "numerator" else None
         kw = dict(normalize=c.normalize, eps=c.eps, feature=c.feature, rope=rope)
         if self._parallel_config is None:

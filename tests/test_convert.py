@@ -8,7 +8,6 @@ from mhla_diffusion import zoo
 from mhla_diffusion.conversion import mhla_modules
 from mhla_diffusion.blocks import auto_blocks
 from mhla_diffusion.families import self_attentions
-from mhla_diffusion.mixing import block_key
 
 from dense import dense_mhla
 
@@ -51,7 +50,7 @@ def test_convert_forward_backward_save_reload(family, tmp_path):
     model.train()
     loss = run(model, family, 8).square().mean() + run(model, family, 12, batch=1, frames=5).square().mean()
     loss.backward()
-    mixing = [p for n, p in model.named_parameters() if ".mixing.logits." in n]
+    mixing = [p for n, p in model.named_parameters() if n.endswith(".mixing.logits")]
     assert mixing and all(p.grad is not None and p.grad.abs().sum() > 0 for p in mixing)
     assert model.transformer_blocks[0].attn1.to_q.weight.grad is not None if family != "wan" else model.blocks[0].attn1.to_q.weight.grad is not None
 
@@ -151,38 +150,39 @@ def test_bf16_cfg_batch_and_gradient_checkpointing():
     del ref
 
 
-def test_auto_blocks_learn_a_matrix_per_resolution_and_reload(tmp_path):
+def test_one_mixing_matrix_serves_every_resolution_and_reloads(tmp_path):
+    """blocks="auto" picks another block grid per resolution; the logits are one parameter on the default
+    size's grid, read resampled at other grids: what training changes shows at every resolution."""
     model = zoo.build_transformer("wan")
-    md.convert(model)  # Wan: blocks="auto", no native resolution
-    run(model, "wan", 8, frames=3)
-    run(model, "wan", 16, frames=5)
-    keys = sorted(n.rsplit(".", 1)[1] for n, _ in model.named_parameters() if n.startswith("blocks.0.attn1.processor.mixing"))
-    assert len(keys) == 2
+    md.convert(model)  # Wan: blocks="auto", logits on the 480p x 81 grid
+    names = [n for n, _ in model.named_parameters()]
+    small, large = run(model, "wan", 8, frames=3), run(model, "wan", 16, frames=5)
+    assert [n for n, _ in model.named_parameters()] == names  # nothing created by a forward
+    assert [n for n in names if n.startswith("blocks.0.attn1.processor.mixing")] == ["blocks.0.attn1.processor.mixing.logits"]
+    with torch.no_grad():  # pretend training moved the logits
+        for p in md.mhla_parameters(model):
+            p.add_(torch.randn_like(p))
+    assert not torch.allclose(run(model, "wan", 8, frames=3), small)
     expected = run(model, "wan", 16, frames=5)
+    assert not torch.allclose(expected, large)
     model.save_pretrained(tmp_path)
     torch.testing.assert_close(run(md.from_pretrained(tmp_path), "wan", 16, frames=5), expected, rtol=0, atol=0)
 
 
 def test_torch_compile_of_converted_transformers():
-    """fullgraph compile (no graph break in the MHLA processors) matches eager; a new resolution under
-    blocks="auto" creates its matrix outside the compiled graph and still matches eager."""
+    """fullgraph compile (no graph break in the MHLA processors) matches eager, also at a resolution
+    whose block grid differs from the logits' (resampled inside the graph)."""
     torch._dynamo.reset()
-    wan = zoo.build_transformer("wan").eval()
-    md.convert(wan)
     with torch.no_grad():
-        eager = run(wan, "wan", 4)  # first: creates the matrices of this grid (fullgraph forbids it in the graph)
+        wan = zoo.build_transformer("wan").eval()
+        md.convert(wan)
         compiled = torch.compile(wan, fullgraph=True, backend="aot_eager")
-        torch.testing.assert_close(compiled(**inputs("wan", 4), return_dict=False)[0], eager)
+        torch.testing.assert_close(compiled(**inputs("wan", 4), return_dict=False)[0], run(wan, "wan", 4))
         dit = zoo.build_transformer("dit").eval()
         md.convert(dit)
-        mixing = dit.transformer_blocks[0].attn1.processor.mixing
-        new_key = block_key(auto_blocks((1, 8, 8)))
-        assert new_key not in mixing.logits
-        compiled = torch.compile(dit, backend="aot_eager")
-        out = compiled(**inputs("dit", 16), return_dict=False)[0]  # 8 x 8 tokens: a grid not seen at convert time
-        assert new_key in mixing.logits
-        torch.testing.assert_close(out, run(dit, "dit", 16))
-        torch.testing.assert_close(compiled(**inputs("dit", 16), return_dict=False)[0], out)
+        compiled = torch.compile(dit, fullgraph=True, backend="aot_eager")
+        for size in (8, 16):  # 16: 8 x 8 tokens, a block grid the logits are not defined on
+            torch.testing.assert_close(compiled(**inputs("dit", size), return_dict=False)[0], run(dit, "dit", size))
 
 
 def test_mixing_stays_row_stochastic_after_steps():

@@ -59,12 +59,13 @@ def checkpoints(tmp_path_factory):
 def test_cli_convert_pipeline_then_info_and_reload(checkpoints, capsys):
     dst = checkpoints / "dit-mhla"
     assert main(["convert", str(checkpoints / "dit-pipe"), str(dst), "--blocks", "2,2", "--layers", "0", "--dtype", "fp16"]) == 0
-    assert "1 self-attention layers" in capsys.readouterr().out
+    assert "1 self-attention layer converted" in capsys.readouterr().out
     assert main(["info", str(dst), "--json"]) == 0
-    info = json.loads(capsys.readouterr().out)
+    info = json.loads(capsys.readouterr().out)["models"]["transformer"]
     assert info["converted"] and info["converted_layers"] == [0] and info["mhla"]["blocks"] == [1, 2, 2]
     assert info["dtypes"] == ["F16"] and list(info["mhla_layers"]) == ["transformer_blocks.0.attn1"]
-    pipe = md.from_pretrained(dst, torch_dtype=torch.float16)
+    pipe = md.from_pretrained(dst)  # in the dtype it was saved in
+    assert pipe.transformer.dtype == pipe.vae.dtype == torch.float16
     assert type(pipe.transformer.transformer_blocks[1].attn1.processor).__name__ == "AttnProcessor2_0"
     assert main(["info", str(checkpoints / "dit-pipe")]) == 0
     assert "not converted" in capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from ..config import MIX_INITS
 from ..reference import FEATURE_MAPS
@@ -27,26 +28,45 @@ def config_overrides(args) -> dict:
 
 
 def run(args) -> int:
-    from ..conversion import convert, default_config, mhla_modules
-    from ..persistence import load
+    """Convert SRC (every transformer of a pipeline), or re-save an already converted SRC as it is,
+    into DST atomically."""
+    from ..conversion import convert, converted_indices, default_config, is_converted, transformers_of
+    from ..persistence import checkpoint_kind, is_hub_id, load, save_atomically
 
+    if not is_hub_id(args.src):
+        checkpoint_kind(args.src)  # a clear error for a dir that is no diffusers dir, before anything else
+        src, dst = Path(args.src).resolve(), Path(args.dst).resolve()
+        if dst == src or src in dst.parents:
+            raise ValueError(f"DST {args.dst} is SRC or inside it; write the converted model to a new dir")
     t0 = time.perf_counter()
     obj = load(args.src, torch_dtype=args.dtype)
-    transformer = getattr(obj, "transformer", obj)
-    config = default_config(transformer, **config_overrides(args))
-    convert(transformer, config)
-    obj.save_pretrained(args.dst)
-    n = len(mhla_modules(transformer))
-    print(f"converted {type(transformer).__name__}: {n} self-attention layers to MHLA "
-          f"(blocks={config.blocks}, layers={config.layers}) -> {args.dst} in {time.perf_counter() - t0:.1f}s")
+    models = transformers_of(obj)
+    overrides = config_overrides(args)
+    if any(is_converted(m) for m in models.values()):
+        if overrides:
+            raise ValueError(f"{args.src} is already converted to MHLA; converting it again would throw away its MHLA "
+                             f"weights ({', '.join('--' + k.replace('_', '-') for k in overrides)} given): convert the "
+                             "original model, or drop the MHLA options to re-save it as it is (e.g. with --dtype)")
+        done = "re-saved (already MHLA, weights and config kept)"
+    else:
+        convert(obj, default_config(next(iter(models.values())), **overrides))
+        done = "converted to MHLA"
+    save_atomically(obj.save_pretrained, args.dst, overwrite=args.overwrite)
+    for name, model in models.items():
+        layers = converted_indices(model)
+        cfg = model.config["mhla"]
+        print(f"{name or 'transformer'} ({type(model).__name__}): {len(layers)} self-attention "
+              f"layer{'s' if len(layers) != 1 else ''} {done} (blocks={cfg['blocks']}, layers={cfg['layers']})")
+    print(f"-> {args.dst} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
 def register(sub) -> None:
     p = sub.add_parser("convert", help="convert a diffusers pipeline or transformer to MHLA and save it",
                        description="SRC: a local diffusers pipeline or transformer dir, or a hub id when online.")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
+    p.add_argument("src", metavar="SRC", help="diffusers pipeline or transformer dir (or hub id); a converted SRC is re-saved as it is")
+    p.add_argument("dst", metavar="DST", help="new dir to write (written atomically; an existing one needs --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST whole")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="load and save in this dtype (default: as stored)")
     add_config_args(p)
     p.set_defaults(func=run)

@@ -42,7 +42,7 @@ def record_attention(transformer, call: int = -1):
                 blocks = resolve_blocks(grid, proc.config.blocks)
                 cpu = lambda t: t[0].detach().float().cpu()  # noqa: E731
                 captures[path] = LayerCapture(
-                    cpu(q), cpu(k), grid, blocks, proc.mixing(blocks, q.device).detach().float().cpu(),
+                    cpu(q), cpu(k), grid, blocks, proc.mixing(blocks).detach().float().cpu(),
                     None if rope is None else tuple(cpu(r.expand(q.shape[0], *r.shape[1:])) for r in rope),
                     proc.config.feature,
                 )
