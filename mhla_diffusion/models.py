@@ -66,6 +66,11 @@ class MHLAModelMixin:
                                               loaded_keys, *args, **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
+        lora = sorted({k.split(".base_layer.")[0] for k in self.state_dict() if ".base_layer." in k})
+        if lora:  # peft renames the wrapped weights: such a dir would load with them missing
+            raise ValueError(f"this model carries live peft LoRA layers ({', '.join(lora[:2])}, ...): merge them into the "
+                             "weights first (peft's merge_and_unload, or mhla_diffusion.training.model.merge_lora), "
+                             "or save the adapter alone with peft's get_peft_model_state_dict")
         conversion.sync_config(self)  # processors replaced one by one (`attn.set_processor`) are seen here
         return super().save_pretrained(*args, **kwargs)
 

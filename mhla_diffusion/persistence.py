@@ -90,15 +90,40 @@ def stored_config(path) -> MHLAConfig | None:
 
 def saved_dtype(model_dir) -> torch.dtype | None:
     """The dtype a model dir's weights were saved in (its first floating-point tensor's)."""
-    from safetensors import safe_open
-
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for key in st.keys():
-                dtype = SAFETENSORS_DTYPES.get(st.get_slice(key).get_dtype())
-                if dtype is not None and ".processor." not in key:
-                    return dtype
+    for key, (_, dtype) in tensor_headers(model_dir).items():
+        if dtype in SAFETENSORS_DTYPES and ".processor." not in key:
+            return SAFETENSORS_DTYPES[dtype]
     return None
+
+
+def tensor_headers(model_dir) -> dict:
+    """Shape and dtype of every tensor in a model dir's safetensors files, read from their headers;
+    a damaged file is named in the error."""
+    from safetensors import SafetensorError, safe_open
+
+    found = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                for key in st.keys():
+                    sl = st.get_slice(key)
+                    found[key] = (tuple(sl.get_shape()), sl.get_dtype())
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{f} is not a readable safetensors file ({err}); restore it from a good copy") from None
+    return found
+
+
+@contextlib.contextmanager
+def _damaged_files_named(path: Path):
+    """diffusers' loaders re-raise safetensors' header errors without the file: find and name it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as err:
+        for model_dir in {f.parent for f in path.rglob("*.safetensors")}:
+            tensor_headers(model_dir)  # raises, naming the damaged file
+        raise ValueError(f"{path}: a weights file could not be read ({err})") from None
 
 
 def is_hub_id(src) -> bool:
@@ -125,13 +150,15 @@ def load(src, torch_dtype=None, **kwargs):
     elif converted_components(path):
         return from_pretrained(path, torch_dtype=torch_dtype, **kwargs)
     elif checkpoint_kind(path) == "pipeline":
-        obj = diffusers.DiffusionPipeline.from_pretrained(src, dtype=torch_dtype, **kwargs)
+        with _damaged_files_named(path):
+            obj = diffusers.DiffusionPipeline.from_pretrained(src, dtype=torch_dtype, **kwargs)
     else:
         class_name = read_json(path / "config.json")["_class_name"]
         cls = getattr(diffusers, class_name, None)
         if cls is None:
             raise ValueError(f"{path}: model class {class_name} is not in this diffusers version")
-        obj = cls.from_pretrained(path, dtype=torch_dtype, **kwargs)
+        with _damaged_files_named(path):
+            obj = cls.from_pretrained(path, dtype=torch_dtype, **kwargs)
     for name, model in getattr(obj, "components", {"": obj}).items():
         if isinstance(model, torch.nn.Module):
             check_complete(model, path / name)
@@ -150,14 +177,15 @@ def from_pretrained(path, torch_dtype=None, **kwargs):
     if not converted:
         raise ValueError(f"{path} is not converted to MHLA (no '{CONFIG_KEY}' in its transformer config.json); convert it "
                          "first with mhla_diffusion.convert or `mhla-diffusion convert`")
-    dtype = parse_dtype(torch_dtype) or saved_dtype(path / next(iter(converted)))
-    models = {name: class_named(cfg["_class_name"]).from_pretrained(path / name, dtype=dtype)
-              for name, cfg in converted.items()}
-    if "" in models:
-        return models[""]
-    import diffusers
+    with _damaged_files_named(path):
+        dtype = parse_dtype(torch_dtype) or saved_dtype(path / next(iter(converted)))
+        models = {name: class_named(cfg["_class_name"]).from_pretrained(path / name, dtype=dtype)
+                  for name, cfg in converted.items()}
+        if "" in models:
+            return models[""]
+        import diffusers
 
-    return diffusers.DiffusionPipeline.from_pretrained(path, dtype=dtype, **models, **kwargs)
+        return diffusers.DiffusionPipeline.from_pretrained(path, dtype=dtype, **models, **kwargs)
 
 
 @contextlib.contextmanager

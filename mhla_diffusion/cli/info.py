@@ -10,25 +10,14 @@ from ..config import MHLAConfig
 from ..conversion import CONFIG_KEY
 from ..families import SUPPORTED, family_by_name
 from ..models import LEGACY_MIXING, PREFIX
-from ..persistence import checkpoint_kind, read_json
+from ..persistence import checkpoint_kind, read_json, tensor_headers
 
 
 def weights(model_dir: Path) -> dict:
-    """Shape and dtype of every tensor in a model dir's safetensors files (headers only)."""
-    from safetensors import SafetensorError, safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    """Shape and dtype of every tensor of a model dir (headers only); none at all is an error."""
+    found = tensor_headers(model_dir)
+    if not found:
         raise ValueError(f"{model_dir} holds no .safetensors weights: the dir is incomplete")
-    found = {}
-    for f in files:
-        try:
-            with safe_open(str(f), "pt") as st:
-                for key in st.keys():
-                    sl = st.get_slice(key)
-                    found[key] = (tuple(sl.get_shape()), sl.get_dtype())
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"{f} is not a readable safetensors file ({err}); restore it from a good copy") from None
     return found
 
 
@@ -97,7 +86,7 @@ def describe(path) -> dict:
         return info
     index = read_json(path / "model_index.json")
     info["pipeline"] = index.get("_class_name")
-    info["components"] = sorted(k for k, v in index.items() if not k.startswith("_") and v and v[0] is not None)
+    info["components"] = sorted(k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None)
     for name in info["components"]:
         cfg_file = path / name / "config.json"
         if cfg_file.is_file() and read_json(cfg_file).get("_class_name", "").removeprefix(PREFIX) in SUPPORTED.split(", "):

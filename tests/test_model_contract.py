@@ -1,0 +1,264 @@
+"""A converted transformer is a diffusers model in every respect (issue: the model contract).
+
+Parameters exist when conversion returns and stay one set at every resolution; state round-trips
+strictly; EMAModel, deepcopy, pickling, gradient checkpointing, DDP and diffusers' processor API
+work; every transformer of a pipeline converts; plain diffusers loads the saved dir as MHLA.
+"""
+
+import copy
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mhla_diffusion as md
+from mhla_diffusion import zoo
+from mhla_diffusion.cli import main
+from mhla_diffusion.cli.demo import sample
+from mhla_diffusion.conversion import mhla_modules
+from mhla_diffusion.mixing import resample_logits
+
+from test_convert import run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def diffusers_log():
+    """What diffusers logs (its loggers do not propagate to pytest's caplog)."""
+    from diffusers.utils import logging as dlog
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    dlog.get_logger("diffusers").addHandler(handler)
+    yield stream
+    dlog.get_logger("diffusers").removeHandler(handler)
+
+
+def mixing_names(model):
+    return [n for n, _ in model.named_parameters() if ".processor." in n]
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_parameters_exist_at_conversion_and_train_at_any_resolution(family):
+    """An optimizer built right after convert trains the MHLA parameters, also at a size not seen before."""
+    model = zoo.build_transformer(family)
+    md.convert(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert len([n for n in names if n.endswith(".mixing.logits")]) == len(mhla_modules(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".processor." in n}
+    run(model.train(), family, 12, batch=1, frames=5).square().mean().backward()
+    opt.step()
+    assert [n for n, _ in model.named_parameters()] == names
+    moved = [n for n, p in model.named_parameters() if n.endswith(".mixing.logits") and not torch.equal(p, before[n])]
+    assert len(moved) == len(mhla_modules(model))
+
+
+def test_resampled_logits_are_the_free_matrix_at_their_grid_and_stochastic_elsewhere():
+    logits = torch.randn(12, 12)
+    assert resample_logits(logits, (1, 3, 4), (1, 3, 4)) is logits  # the paper's free M x M matrix, untouched
+    model = zoo.build_transformer("dit")
+    md.convert(model, md.MHLAConfig(blocks="auto", mix_blocks=(1, 3, 4)))
+    mixing = model.transformer_blocks[0].attn1.processor.mixing
+    with torch.no_grad():
+        mixing.logits.copy_(logits)
+    torch.testing.assert_close(mixing((1, 3, 4)), logits.softmax(-1))
+    for blocks in ((1, 2, 2), (1, 6, 8), (2, 3, 3)):
+        mix = mixing(blocks)
+        m = blocks[0] * blocks[1] * blocks[2]
+        assert mix.shape == (m, m) and (mix > 0).all()
+        torch.testing.assert_close(mix.sum(-1), torch.ones(m))
+    const = torch.zeros(4, 4)
+    torch.testing.assert_close(resample_logits(const, (1, 2, 2), (1, 4, 4)), torch.zeros(16, 16))
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_strict_state_dict_ema_deepcopy_and_pickle(family):
+    model = zoo.build_transformer(family)
+    md.convert(model)
+    with torch.no_grad():
+        for p in md.mhla_parameters(model):
+            p.add_(torch.randn_like(p))
+    other = zoo.build_transformer(family, seed=1)
+    md.convert(other)
+    other.load_state_dict(model.state_dict(), strict=True)
+    expected = run(model, family, 12, batch=1, frames=5)  # a resolution the logits are resampled for
+    torch.testing.assert_close(run(other, family, 12, batch=1, frames=5), expected, rtol=0, atol=0)
+
+    from diffusers.training_utils import EMAModel
+
+    ema = EMAModel(other.parameters(), decay=0.5)
+    run(other, family, 8).mean().backward()
+    ema.step(other.parameters())
+
+    clone = copy.deepcopy(model)
+    torch.testing.assert_close(run(clone, family, 12, batch=1, frames=5), expected, rtol=0, atol=0)
+    run(clone, family, 8)  # the copy publishes to its own processors: the original's grid is untouched
+    assert model._mhla_token_grid.grid != clone._mhla_token_grid.grid
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(run(loaded, family, 12, batch=1, frames=5), expected, rtol=0, atol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = zoo.build_transformer("wan")
+    md.convert(model)
+    model.train()
+    grads = []
+    for ckpt in (False, True):
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        model.zero_grad()
+        run(model, "wan", 8).square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(".mixing.logits" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7)
+
+
+def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(tmp_path):
+    """One gloo process: the DDP-wrapped model trains its mixing logits (DDP errors on parameters it
+    did not know of when wrapped, and those would never be reduced)."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = zoo.build_transformer("dit")
+        md.convert(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        acc = Accelerator(cpu=True)
+        wrapped, opt = acc.prepare(model, opt)
+        assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        logits = [p for n, p in wrapped.module.named_parameters() if n.endswith(".mixing.logits")]
+        before = [p.detach().clone() for p in logits]
+        acc.backward(run(wrapped, "dit", 12, batch=1).square().mean())
+        opt.step()
+        assert all(not torch.equal(p, b) for p, b in zip(logits, before))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_diffusers_processor_api_keeps_the_config_true(tmp_path):
+    model = zoo.build_transformer("pixart")
+    md.convert(model)
+    model.set_default_attn_processor()  # diffusers' own call: every processor back to the default one
+    assert not md.is_converted(model) and "mhla" not in model.config
+    assert type(model).__name__ == "PixArtTransformer2DModel"
+    model.save_pretrained(tmp_path / "plain")
+    assert "mhla" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    with pytest.raises(ValueError, match="not converted"):
+        md.from_pretrained(tmp_path / "plain")
+
+    wan = zoo.build_transformer("wan", num_layers=3)
+    md.convert(wan)
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    procs = wan.attn_processors
+    procs["blocks.1.attn1.processor"] = WanAttnProcessor()  # one layer back to softmax
+    wan.set_attn_processor(procs)
+    assert wan.config["mhla"]["layers"] == [0, 2]
+    expected = run(wan, "wan", 8)
+    wan.save_pretrained(tmp_path / "partial")
+    reloaded = md.from_pretrained(tmp_path / "partial")
+    assert sorted(mhla_modules(reloaded)) == ["blocks.0.attn1.processor", "blocks.2.attn1.processor"]
+    torch.testing.assert_close(run(reloaded, "wan", 8), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="converting more layers later is not supported"):
+        wan.set_attn_processor(md.mhla_processors(wan, md.MHLAConfig(layers=[1])))
+    wan.set_attn_processor(WanAttnProcessor())
+    assert not md.is_converted(wan) and "mhla" not in wan.config
+
+
+def two_expert_wan_pipeline():
+    """A Wan2.2 A14B-like pipeline: a high-noise and a low-noise expert."""
+    pipe = zoo.build_pipeline("wan")
+    import diffusers
+
+    return diffusers.WanPipeline(pipe.tokenizer, pipe.text_encoder, pipe.vae, pipe.scheduler, pipe.transformer,
+                                 transformer_2=zoo.build_transformer("wan", seed=1), boundary_ratio=0.5)
+
+
+def test_every_transformer_of_a_pipeline_converts_and_plain_diffusers_loads_it(tmp_path, diffusers_log, capsys):
+    import diffusers
+
+    pipe = two_expert_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    md.convert(pipe)
+    assert md.is_converted(pipe.transformer) and md.is_converted(pipe.transformer_2)
+    with torch.no_grad():
+        for p in md.mhla_parameters(pipe.transformer_2):
+            p.add_(torch.randn_like(p))
+    expected = sample(pipe, "wan", seed=0, steps=2)
+    pipe.save_pretrained(tmp_path / "pipe")
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    assert index["transformer"] == index["transformer_2"] == ["mhla_diffusion", "MHLAWanTransformer3DModel"]
+    for load in (diffusers.DiffusionPipeline.from_pretrained, diffusers.WanPipeline.from_pretrained, md.from_pretrained):
+        diffusers_log.truncate(0)
+        loaded = load(tmp_path / "pipe")
+        loaded.set_progress_bar_config(disable=True)
+        assert md.is_converted(loaded.transformer) and md.is_converted(loaded.transformer_2)
+        np.testing.assert_array_equal(sample(loaded, "wan", seed=0, steps=2), expected)
+        assert "not used" not in diffusers_log.getvalue() and "newly initialized" not in diffusers_log.getvalue()
+    alone = md.MHLAWanTransformer3DModel.from_pretrained(tmp_path / "pipe" / "transformer_2")
+    torch.testing.assert_close(alone.state_dict(), pipe.transformer_2.state_dict())
+
+    zoo_pipe = two_expert_wan_pipeline()
+    zoo_pipe.save_pretrained(tmp_path / "original")
+    assert main(["convert", str(tmp_path / "original"), str(tmp_path / "cli")]) == 0
+    assert "transformer_2 (MHLAWanTransformer3DModel): 2 self-attention layers converted" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "cli"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert sorted(info["models"]) == ["transformer", "transformer_2"] and all(m["converted"] for m in info["models"].values())
+
+
+def test_without_mhla_diffusion_imported_plain_diffusers_refuses_loudly(tmp_path):
+    pipe = zoo.build_pipeline("dit")
+    md.convert(pipe)
+    pipe.save_pretrained(tmp_path / "pipe")
+    code = f"import diffusers; diffusers.DiffusionPipeline.from_pretrained({str(tmp_path / 'pipe')!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode != 0 and "import mhla_diffusion" in proc.stderr
+
+
+def legacy_dir(tmp_path, grid_key: str) -> tuple[Path, torch.Tensor]:
+    """A transformer dir as mhla-diffusion 0.1 saved it: the diffusers class, no mix_blocks, and mixing
+    logits keyed by the block grid they were made for. Returns the dir and layer 0's saved logits."""
+    from safetensors.torch import load_file, save_file
+
+    model = zoo.build_transformer("dit")
+    md.convert(model, md.MHLAConfig(blocks=(2, 2)))
+    with torch.no_grad():
+        for p in md.mhla_parameters(model):
+            p.add_(torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    cfg_file = tmp_path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["_class_name"] = "DiTTransformer2DModel"
+    del cfg["mhla"]["mix_blocks"]
+    cfg_file.write_text(json.dumps(cfg))
+    weights = tmp_path / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(weights))
+    for key in [k for k in state if k.endswith(".mixing.logits")]:
+        state[f"{key}.{grid_key}"] = state.pop(key)
+    save_file(state, str(weights))
+    return tmp_path, model
+
+
+def test_saved_dirs_of_the_per_grid_format_load_migrated_with_a_notice(tmp_path, caplog):
+    path, model = legacy_dir(tmp_path, "1x2x2")
+    with caplog.at_level(logging.WARNING, logger="mhla_diffusion"):
+        loaded = md.from_pretrained(path)
+    assert "0.1 format" in caplog.text and "kept" in caplog.text
+    torch.testing.assert_close(run(loaded, "dit", 8), run(model, "dit", 8), rtol=0, atol=0)
+    assert main(["info", str(path)]) == 0
