@@ -128,6 +128,10 @@ def test_dit_full_ema_distill_resume_matches_uninterrupted(work):
     assert len(list((straight / "checkpoints").iterdir())) == 2
     pipe = mhla_diffusion.from_pretrained(straight / "final")
     assert sorted(mhla_diffusion.conversion.mhla_modules(pipe.transformer)) == ["transformer_blocks.0.attn1.processor"]
+    import diffusers
+
+    plain = diffusers.DiffusionPipeline.from_pretrained(straight / "final")  # model_index.json names the MHLA class
+    assert sorted(mhla_diffusion.conversion.mhla_modules(plain.transformer)) == ["transformer_blocks.0.attn1.processor"]
 
 
 def test_sana_lora_on_two_processes_trains_only_lora_and_mixing(work):

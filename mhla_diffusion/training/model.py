@@ -118,7 +118,8 @@ def save_trained(out: Path, transformer, state_dict: dict, pipe=None) -> None:
     if pipe is None:
         transformer.save_pretrained(out, state_dict=state_dict)
         return
-    pipe.save_config(out)  # model_index.json
+    pipe.register_modules(transformer=transformer)  # model_index.json names its MHLA class: plain diffusers loads MHLA
+    pipe.save_config(out)
     for name, component in pipe.components.items():
         if name == "transformer":
             transformer.save_pretrained(out / name, state_dict=state_dict)
