@@ -9,7 +9,6 @@ import copy
 import io
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,29 +109,16 @@ def test_strict_state_dict_ema_deepcopy_and_pickle(family):
     torch.testing.assert_close(run(loaded, family, 12, batch=1, frames=5), expected, rtol=0, atol=0)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
-    model = zoo.build_transformer("wan")
-    md.convert(model)
-    model.train()
-    grads = []
-    for ckpt in (False, True):
-        if ckpt:
-            model.enable_gradient_checkpointing()
-        model.zero_grad()
-        run(model, "wan", 8).square().mean().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and any(".mixing.logits" in n for n in grads[0])
-    for n in grads[0]:
-        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7)
-
-
-def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(tmp_path):
+def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(monkeypatch):
     """One gloo process: the DDP-wrapped model trains its mixing logits (DDP errors on parameters it
     did not know of when wrapped, and those would never be reduced)."""
     import torch.distributed as dist
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    AcceleratorState._reset_state(reset_partial_state=True)  # other tests made accelerate's state a single process
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = zoo.build_transformer("dit")
@@ -148,6 +134,7 @@ def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(tmp_pat
         assert all(not torch.equal(p, b) for p, b in zip(logits, before))
     finally:
         dist.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_diffusers_processor_api_keeps_the_config_true(tmp_path):
@@ -262,3 +249,22 @@ def test_saved_dirs_of_the_per_grid_format_load_migrated_with_a_notice(tmp_path,
     assert "0.1 format" in caplog.text and "kept" in caplog.text
     torch.testing.assert_close(run(loaded, "dit", 8), run(model, "dit", 8), rtol=0, atol=0)
     assert main(["info", str(path)]) == 0
+
+
+@pytest.mark.parametrize("family", zoo.FAMILIES)
+def test_plain_diffusers_loads_each_family_as_mhla(family, tmp_path, diffusers_log):
+    import diffusers
+
+    pipe = zoo.build_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    md.convert(pipe)
+    with torch.no_grad():
+        for p in md.mhla_parameters(pipe.transformer):
+            p.add_(torch.randn_like(p))
+    expected = sample(pipe, family, seed=1, steps=2)
+    pipe.save_pretrained(tmp_path)
+    loaded = diffusers.DiffusionPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert type(loaded.transformer).__name__ == "MHLA" + type(pipe.transformer)._mhla_base.__name__
+    np.testing.assert_array_equal(sample(loaded, family, seed=1, steps=2), expected)
+    assert "not used" not in diffusers_log.getvalue()
