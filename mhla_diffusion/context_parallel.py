@@ -38,7 +38,7 @@ def cp_plan(transformer) -> dict:
     if family == "pixart":
         return {"transformer_blocks.0": split, "proj_out": gather}
     raise ValueError(
-        f"no context-parallel plan for {type(transformer).__name__}: its Mix-FFN convolves over the image "
+        f"no context-parallel plan for {family_of(transformer).class_names[0]}: its Mix-FFN convolves over the image "
         "grid, which a contiguous token split cuts; run it on one GPU"
     )
 

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import mhla_diffusion as md
 from mhla_diffusion import zoo
 from mhla_diffusion.cli import main
 
-from test_convert import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
