@@ -76,15 +76,17 @@ def build_processors(transformer, config: MHLAConfig) -> dict:
         transformer._mhla_token_grid = TokenGrid()
         transformer.register_forward_pre_hook(publish_grid, with_kwargs=True)
     names = {id(m): n for n, m in transformer.named_modules()}
-    procs = {}
-    for i in layers:
-        attn = attns[i]
-        proc = family.processor(config, attn.heads, attn.inner_dim // attn.heads, attn.to_out[0].out_features,
-                                transformer._mhla_token_grid)
-        weight = attn.to_out[0].weight
-        procs[f"{names[id(attn)]}.processor"] = proc.to(device=weight.device, dtype=weight.dtype)
+    procs = {f"{names[id(attns[i])]}.processor": new_processor(family, attns[i], config, transformer._mhla_token_grid)
+             for i in layers}
     transformer.register_to_config(**{CONFIG_KEY: config.to_dict()})
     return procs
+
+
+def new_processor(family, attn, config: MHLAConfig, grid: TokenGrid) -> MHLAProcessorBase:
+    """A fresh MHLA processor for the self-attention module `attn`, on its device and in its dtype."""
+    proc = family.processor(config, attn.heads, attn.inner_dim // attn.heads, attn.to_out[0].out_features, grid)
+    weight = attn.to_out[0].weight
+    return proc.to(device=weight.device, dtype=weight.dtype)
 
 
 def mhla_processors(transformer, config: MHLAConfig | None = None) -> dict:

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module registers its sub-commands: register(subparsers) -> None, handlers set `func`.
-COMMAND_MODULES = ["convert", "info", "demo", "eval", "bench"]
+COMMAND_MODULES = ["convert", "transfer", "info", "demo", "eval", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,175 @@
+"""Layer-local attention transfer: fit each converted layer to the softmax layer it replaces.
+
+The original model samples along its own trajectories while forward hooks keep, per self-attention
+layer, a seeded reservoir of its calls (inputs and softmax outputs). Each layer's MHLA parameters
+(mixing logits, output norm and gate; optionally also its q/k/v/out projections) are then fitted on
+those pairs alone, in fp32 on a copy of that one layer: no backward through the model, no dataset,
+one layer in memory at a time. The teacher stays unconverted until every layer is fitted; then the
+model is converted and the fitted layers are written into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .conversion import attn_processors, convert, new_processor, resolve_config, set_attn_processor, transformers_of
+from .families import family_of, self_attentions, token_grid
+from .processors import TokenGrid
+
+
+@dataclass
+class Call:
+    """One call of a self-attention layer: its arguments and the softmax output, on the CPU."""
+
+    args: tuple
+    kwargs: dict
+    output: torch.Tensor
+    grid: tuple
+
+
+@dataclass
+class LayerFit:
+    """How well one converted layer matches its softmax original (relative MSE over its calls)."""
+
+    name: str
+    before: float  # right after conversion
+    after: float  # after fitting
+    curve: list = field(default_factory=list)  # training loss per step
+
+
+def _map(obj, fn):
+    """`fn` on every tensor of nested tuples, lists and dicts (diffusers passes RoPE as a tuple)."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    return obj
+
+
+@contextlib.contextmanager
+def record_self_attention(models: dict, keep: int, seed: int = 0):
+    """Hooks on every self-attention layer of `models` (by component name) that keep a uniform
+    reservoir of at most `keep` calls per layer. Yields {"component/layer path": [Call, ...]}."""
+    calls, seen, rng, handles = {}, {}, random.Random(seed), []
+    cpu = lambda t: t.detach().cpu()  # noqa: E731
+
+    for component, model in models.items():
+        grid = TokenGrid()
+
+        def publish(module, args, kwargs, grid=grid):
+            grid.grid = token_grid(module, args[0] if args else kwargs["hidden_states"])
+
+        handles.append(model.register_forward_pre_hook(publish, with_kwargs=True))
+        names = {id(m): n for n, m in model.named_modules()}
+        for attn in self_attentions(model):
+            key = f"{component}/{names[id(attn)]}" if component else names[id(attn)]
+            calls[key], seen[key] = [], 0
+
+            def record(module, args, kwargs, output, key=key, grid=grid):
+                seen[key] += 1
+                slot = len(calls[key]) if len(calls[key]) < keep else rng.randrange(seen[key])
+                if slot < keep:
+                    call = Call(_map(args, cpu), _map(kwargs, cpu), cpu(output), grid.grid)
+                    calls[key][slot:slot + 1] = [call]
+
+            handles.append(attn.register_forward_hook(record, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _relative_error(layer, calls, device) -> float:
+    with torch.no_grad():
+        errs = [_loss(layer, call, device).item() for call in calls]
+    return sum(errs) / len(errs)
+
+
+def _loss(layer, call: Call, device) -> torch.Tensor:
+    """Relative MSE of the layer's output against the softmax output of one recorded call."""
+    def to(t):  # a copy outside inference mode: the teacher recorded inference tensors
+        return (t.to(device=device, dtype=torch.float32) if t.is_floating_point() else t.to(device)).clone()
+
+    layer.processor.token_grid.grid = call.grid
+    out = layer(*_map(call.args, to), **_map(call.kwargs, to))
+    target = call.output.to(device=device, dtype=torch.float32)
+    return (out - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
+
+
+def fit_layer(attn, processor, calls: list, steps: int, lr: float, projection_lr: float | None, device, seed: int = 0):
+    """Fit `processor` (and, with `projection_lr`, the layer's projections) on a float32 copy of `attn`.
+
+    Returns (the fitted layer copy, LayerFit without its name)."""
+    layer = copy.deepcopy(attn).to(device=device, dtype=torch.float32)
+    layer.set_processor(processor.to(device=device, dtype=torch.float32))
+    groups = [{"params": list(layer.processor.parameters()), "lr": lr}]
+    projections = [p for n, p in layer.named_parameters() if not n.startswith("processor.")]
+    for p in projections:
+        p.requires_grad_(projection_lr is not None)
+    if projection_lr is not None:
+        groups.append({"params": projections, "lr": projection_lr})
+    before = _relative_error(layer, calls, device)
+    opt = torch.optim.Adam(groups)
+    order = random.Random(seed)
+    curve = []
+    for _ in range(steps):
+        loss = _loss(layer, calls[order.randrange(len(calls))], device)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    return layer, LayerFit("", before, _relative_error(layer, calls, device), curve)
+
+
+def transfer(obj, config, settings, num_samples: int, batch_size: int, keep: int, steps: int, lr: float,
+             projection_lr: float | None = None, keep_softmax_worst: int = 0, progress: bool = True) -> list[LayerFit]:
+    """Convert `obj` (a pipeline, unconverted) with `config` and fit every converted layer to its
+    teacher's calls along `num_samples` of the teacher's own trajectories (see evaluation.sampling).
+
+    keep_softmax_worst: afterwards, the K layers that fit worst go back to softmax attention.
+    Returns one LayerFit per converted layer, in layer order."""
+    from .evaluation.sampling import generate
+
+    models = transformers_of(obj)
+    device = next(iter(models.values())).device
+    configs = {name: resolve_config(m, config) for name, m in models.items()}
+    with record_self_attention(models, keep, settings.seed) as calls:
+        for start in tqdm(range(0, num_samples, batch_size), desc="teacher trajectories", disable=not progress):
+            generate(obj, range(start, min(start + batch_size, num_samples)), settings)
+    fits, fitted = [], {}
+    todo = [(name, i, attn) for name, m in models.items()
+            for i, attn in enumerate(self_attentions(m)) if i in configs[name].converted_layers(len(self_attentions(m)))]
+    names = {name: {id(a): n for n, a in m.named_modules()} for name, m in models.items()}
+    bar = tqdm(todo, desc="fitting layers", disable=not progress)
+    for name, i, attn in bar:
+        key = f"{name}/{names[name][id(attn)]}" if name else names[name][id(attn)]
+        if not calls[key]:
+            raise ValueError(f"{key} was never called while sampling: nothing to fit it on")
+        proc = new_processor(family_of(models[name]), attn, configs[name], TokenGrid())
+        layer, fit = fit_layer(attn, proc, calls.pop(key), steps, lr, projection_lr, device, seed=settings.seed + i)
+        fit.name = key
+        fits.append(fit)
+        fitted[key] = layer.state_dict()
+        bar.set_postfix(layer=key, before=f"{fit.before:.3g}", after=f"{fit.after:.3g}")
+    originals = {name: attn_processors(m) for name, m in models.items()}
+    convert(obj, config)
+    for name, m in models.items():
+        for attn in self_attentions(m):
+            key = f"{name}/{names[name][id(attn)]}" if name else names[name][id(attn)]
+            if key in fitted:
+                attn.load_state_dict(fitted[key])  # cast to the model's dtype
+    for fit in sorted(fits, key=lambda f: f.after)[len(fits) - keep_softmax_worst:] if keep_softmax_worst else []:
+        name, _, path = fit.name.rpartition("/")
+        procs = attn_processors(models[name])
+        procs[f"{path}.processor"] = originals[name][f"{path}.processor"]
+        set_attn_processor(models[name], procs)
+    return fits
