@@ -10,8 +10,8 @@ from .convert import add_config_args, config_overrides
 from .eval import _sampling_args, _settings
 
 
-def write_report(fits, path: Path) -> str:
-    """transfer.json, tensorboard curves under transfer_logs/, and the per-layer table (returned)."""
+def write_report(fits, path: Path) -> None:
+    """transfer.json (per layer: relative error before and after, loss curve) and tensorboard curves."""
     from torch.utils.tensorboard import SummaryWriter
 
     rows = [{"layer": f.name, "before": f.before, "after": f.after, "curve": f.curve} for f in fits]
@@ -20,11 +20,13 @@ def write_report(fits, path: Path) -> str:
         for f in fits:
             for step, loss in enumerate(f.curve):
                 writer.add_scalar(f"transfer/{f.name}", loss, step)
-    order = sorted(fits, key=lambda f: f.after)
+
+
+def fit_table(fits) -> str:
+    """Which layers fit well and which did not: the table to choose `--layers` or `--keep-softmax-worst` by."""
+    rank = {f.name: i + 1 for i, f in enumerate(sorted(fits, key=lambda f: f.after))}
     lines = ["| layer | rel. error after conversion | after transfer | rank (1 = best fit) |", "|---|---|---|---|"]
-    rank = {f.name: i + 1 for i, f in enumerate(order)}
-    lines += [f"| {f.name} | {f.before:.4g} | {f.after:.4g} | {rank[f.name]} |" for f in fits]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"| {f.name} | {f.before:.4g} | {f.after:.4g} | {rank[f.name]} |" for f in fits])
 
 
 def run(args) -> int:
@@ -45,14 +47,13 @@ def run(args) -> int:
     config = default_config(next(iter(models.values())), **config_overrides(args))
     fits = transfer(pipe, config, _settings(args, args.guidance_scale), args.num_samples, args.batch_size,
                     args.keep_calls, args.steps_per_layer, args.lr, args.projection_lr, args.keep_softmax_worst)
-    table = []
 
     def save(path):
         pipe.save_pretrained(path)
-        table.append(write_report(fits, Path(path)))
+        write_report(fits, Path(path))
 
     save_atomically(save, args.dst, overwrite=args.overwrite)
-    print(table[0])
+    print(fit_table(fits))
     for name, m in models.items():
         n = len(converted_indices(m))
         print(f"{name}: {n} self-attention layer{'s' if n != 1 else ''} MHLA (layers={m.config['mhla']['layers']})")
