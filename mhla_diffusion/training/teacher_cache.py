@@ -1,0 +1,113 @@
+"""A latent cache of the original model's own samples, for fine-tuning without a dataset.
+
+The teacher (the unconverted pipeline) samples from prompts (T2I/T2V) or class labels (DiT) as its
+pipeline does, classifier-free guidance included; each final latent, normalized as the VAE
+posterior of a real image would be, is stored with its conditioning in the cache format
+`precompute` writes. Training on that cache (`recipes/train.py --data_dir CACHE`) then noises the
+teacher's samples at timesteps drawn by the family's objective, so the student learns at points
+the teacher's own trajectories pass through, and `distill_output` / `distill_layers` compare the
+student with the teacher there. Sample i has seed `seed + i` and prompt i mod the prompt count; each
+process writes its share (i mod world) one file at a time, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .. import persistence
+from ..conversion import is_converted
+from ..evaluation.sampling import SamplingSettings, call_kwargs, family_name, read_prompts
+from . import conditioning
+from .data import CACHE_INDEX
+from .families import recipe_for
+
+
+@contextlib.contextmanager
+def decoded_latents(vae):
+    """Record what the pipeline hands to `vae.decode` (DiTPipeline has no latent output)."""
+    seen, decode = [], vae.decode
+
+    def recording(z, *args, **kwargs):
+        seen.append(z.detach())
+        return decode(z, *args, **kwargs)
+
+    vae.decode = recording
+    try:
+        yield seen
+    finally:
+        del vae.decode
+
+
+def normalized(vae, z: torch.Tensor) -> torch.Tensor:
+    """A decoder input as the normalized latent the transformer works in (the cache's latents_mean)."""
+    shift, scale = conditioning._latent_norm(vae, z)
+    return ((z.float() - shift) * scale).contiguous()
+
+
+def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | None, steps: int | None,
+                        guidance_scale: float | None, accelerator) -> dict:
+    """Sample the teacher `config.pretrained` into a latent cache at `out_dir` (this process's share)."""
+    out = Path(out_dir)
+    if (out / CACHE_INDEX).exists():
+        raise FileExistsError(f"{out} already holds a complete latent cache; choose a new directory")
+    if num_samples < 1:
+        raise ValueError(f"--teacher_samples must be >= 1, got {num_samples}")
+    pipe = persistence.load(config.pretrained)
+    if is_converted(pipe.transformer):
+        raise ValueError(f"{config.pretrained} is converted to MHLA: the teacher must be the original model")
+    family = family_name(pipe)
+    if config.family and config.family != family:
+        raise ValueError(f"config family {config.family!r} does not match {config.pretrained} ({family})")
+    recipe = recipe_for(family)
+    prompts = read_prompts(prompts_file) if prompts_file else None
+    if recipe.text and not prompts:
+        raise ValueError(f"teacher samples of a text-conditioned {family} model need --prompts FILE (one prompt per line)")
+    h, w = config.resolution
+    settings = SamplingSettings(seed=config.seed, steps=steps, guidance_scale=guidance_scale, prompts=prompts,
+                                **({} if family == "dit" else {"height": h, "width": w}),
+                                **({"num_frames": config.num_frames} if recipe.video else {}))
+    shape = list(conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, recipe.video))
+    device = accelerator.device
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    out.mkdir(parents=True, exist_ok=True)
+    mine = [i for i in range(accelerator.process_index, num_samples, accelerator.num_processes)
+            if not (out / f"{i:09d}.safetensors").exists()]  # a rerun resumes
+    batches = [mine[j:j + config.train_batch_size] for j in range(0, len(mine), config.train_batch_size)]
+    for indices in tqdm(batches, desc="teacher samples", disable=not accelerator.is_local_main_process):
+        kwargs = call_kwargs(pipe, indices, settings)
+        with decoded_latents(pipe.vae) as seen, torch.inference_mode():
+            pipe(**kwargs)
+        latents = normalized(pipe.vae, seen[-1])
+        if list(latents.shape[1:]) != shape:
+            raise ValueError(f"the teacher samples latents of shape {list(latents.shape[1:])}, but resolution "
+                             f"{config.resolution} trains on {shape}: set resolution to the size the model samples at")
+        cond = {}
+        if recipe.text:
+            cond["prompt_embeds"], cond["prompt_attention_mask"] = conditioning.encode_text(
+                pipe, kwargs["prompt"], config.max_sequence_length, device)
+        else:
+            cond["class_label"] = torch.tensor(kwargs["class_labels"])
+        for j, index in enumerate(indices):
+            sample = {"latents_mean": latents[j], **{k: v[j] for k, v in cond.items()}}
+            tmp = out / f".{index:09d}.partial"
+            save_file({k: v.contiguous().cpu() for k, v in sample.items()}, str(tmp))
+            os.replace(tmp, out / f"{index:09d}.safetensors")  # a sample file is complete or absent
+    accelerator.wait_for_everyone()
+    info = {"family": family, "pretrained": str(config.pretrained), "resolution": list(config.resolution),
+            "video": recipe.video, "latent_shape": shape, "samples": num_samples,
+            "unreadable": 0, "teacher": {"prompts": prompts_file, "steps": steps, "guidance_scale": guidance_scale,
+                                         "seed": config.seed}}
+    if recipe.video:
+        info["num_frames"] = config.num_frames
+    if accelerator.is_main_process:
+        (out / CACHE_INDEX).write_text(json.dumps(info, indent=1))  # last: marks the cache complete
+    accelerator.wait_for_everyone()
+    return info
