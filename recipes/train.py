@@ -71,6 +71,7 @@ def main(argv=None):
     validation.check_validation(cfg, family)
     data_type = cfg.data_type if cfg.data_type != "auto" else data.detect_data_type(cfg.data_dir, recipe.video)
     dataset = data.build_dataset(data_type, cfg.data_dir, cfg.resolution, cfg.num_frames)
+    skipped = data.SkippedFiles(dataset, cfg.max_unreadable)
     cached = data_type == "latents"
     if cached:
         data.check_cache(dataset.info, cfg, family)
@@ -149,14 +150,14 @@ def main(argv=None):
 
     # --- loop
     bar = tqdm(total=cfg.max_steps, initial=global_step, desc="steps", disable=not accelerator.is_local_main_process)
-    logged, skipped = {}, torch.zeros((), device=device)
+    logged = {}
     while global_step < cfg.max_steps:
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         batches.set_epoch(epoch)  # the shuffle order is a function of (seed, epoch)
         n_batches = steps_per_epoch * cfg.gradient_accumulation_steps - skip  # whole optimizer steps only
         for micro, batch in enumerate(itertools.islice(batches, n_batches)):
             torch.manual_seed(step_seed(cfg.seed, global_step, micro % cfg.gradient_accumulation_steps, data_rank))
-            skipped += batch.pop("skipped")
+            skipped.add(batch.pop("skipped"))
             with accelerator.accumulate(transformer):
                 losses = losses_of(batch)
                 loss = sum(losses.values())
@@ -176,7 +177,7 @@ def main(argv=None):
                 ema.step(params)
             if global_step % cfg.log_every == 0 or global_step == cfg.max_steps:
                 scalars = {k: accelerator.reduce(v, "mean").item() for k, v in logged.items()}
-                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": accelerator.reduce(skipped, "sum").item() / cp_size})
+                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": skipped.sync(accelerator)})
                 accelerator.log(scalars, step=global_step)
                 bar.set_postfix(loss=f"{scalars['loss']:.4f}")
             logged = {}
@@ -190,6 +191,8 @@ def main(argv=None):
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
+    if skipped.files.paths and accelerator.is_main_process:
+        log.warning(skipped.files.summary())
 
     # --- final save, loadable with mhla_diffusion.from_pretrained
     accelerator.wait_for_everyone()

@@ -154,7 +154,8 @@ def test_precompute_skips_and_counts_unreadable(tmp_path, sana_dir, one_image):
 
     from mhla_diffusion.training.precompute import precompute
 
-    cfg = load_config(None, {"pretrained": str(sana_dir), "data_dir": str(one_image), "resolution": 32, "num_workers": 0})
+    cfg = load_config(None, {"pretrained": str(sana_dir), "data_dir": str(one_image), "resolution": 32, "num_workers": 0,
+                             "max_unreadable": 0.5})
     info = precompute(cfg, tmp_path / "cache", Accelerator(cpu=True))
     assert (info["samples"], info["unreadable"]) == (1, 1)
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
@@ -165,6 +166,7 @@ def test_overfit_one_batch_loss_falls(tmp_path, sana_dir, one_image):
     out = tmp_path / "overfit"
     recipe("train").main(["--pretrained", str(sana_dir), "--data_dir", str(one_image), "--resolution", "32",
                           "--max_steps", "60", "--learning_rate", "3e-3", "--num_workers", "0", "--checkpointing_steps", "1000",
+                          "--max_unreadable", "0.5",
                           "--output_dir", str(out), "--logit_std", "0.1", "--flow_shift", "1.0"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

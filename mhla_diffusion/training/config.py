@@ -49,6 +49,7 @@ class TrainConfig:
     num_frames: int = 81
     max_sequence_length: int = 0  # 0: the pipeline's default
     num_workers: int = 2
+    max_unreadable: float = 0.1  # unreadable files are skipped, each counted once; more than this fraction stops the run
     # optimization
     train_batch_size: int = 1
     gradient_accumulation_steps: int = 1
