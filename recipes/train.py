@@ -8,7 +8,9 @@ trains it with the family's upstream objective (DDPM + learned variance for DiT/
 matching for SANA/Wan), optionally distilling from the unconverted model. Every random draw of
 step k comes from a seed of (seed, k, micro-batch, data-parallel rank), so a resumed run continues
 exactly as an uninterrupted one would. `--context_parallel P` splits each sample's tokens over the
-P processes (mhla_diffusion.training.sequence_parallel). Helpers live in mhla_diffusion.training.
+P processes (mhla_diffusion.training.sequence_parallel). A bad input ends the run with one line and
+exit 2, Ctrl-C with the resume command and 130 (tracebacks with --debug or MHLA_DEBUG=1). Helpers
+live in mhla_diffusion.training.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +30,7 @@ from diffusers.training_utils import EMAModel
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from mhla_diffusion.training import checkpoint, conditioning, data, distill, model, objectives, sequence_parallel, validation
+from mhla_diffusion.training import checkpoint, conditioning, data, distill, launch, model, objectives, sequence_parallel, validation
 from mhla_diffusion.training.config import load_config, parse_overrides, save_config
 from mhla_diffusion.training.families import model_output, recipe_for, transformer_inputs
 
@@ -210,4 +213,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(launch.run_recipe(main, resumable=True))

@@ -1,11 +1,18 @@
 """recipes/train.py never loses or silently corrupts a run, under `accelerate launch` on the CPU:
-an unreadable file is counted once however many epochs meet it."""
+errors are one line, Ctrl-C leaves only whole checkpoints and says how to resume, and an
+unreadable file is counted once however many epochs meet it."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import time
+
 import numpy as np
 import pytest
-from test_recipes import launch, noise_image, scalars
+from test_recipes import REPO, launch, launch_command, noise_image, scalars
 
 from mhla_diffusion import zoo
 
@@ -29,9 +36,47 @@ def args(work, out, *more):
             "--num_workers", "0", "--output_dir", out, *more]
 
 
+def one_error_line(out: str, text: str) -> None:
+    lines = [line for line in out.splitlines() if "train.py: error:" in line]
+    assert len(lines) == 1 and text in lines[0], out
+    assert 'train.py", line' not in out, out  # no traceback of the recipe
+
+
 def test_unreadable_file_is_counted_once_over_epochs(work):
     out = work / "epochs"
     log = launch("train.py", *args(work, out, "--max_steps", "6", "--checkpointing_steps", "6"))
     skipped = scalars(out, "data/skipped_files")  # 2 steps an epoch: 3 epochs meet the corrupt file
     assert len(skipped) == 6 and skipped[-1] == max(skipped) == 1, log
     assert f"skipped 1 unreadable file(s): {work / 'data' / 'dog' / '4.png'}" in log
+
+
+def test_training_error_is_one_line_and_mhla_debug_shows_the_traceback(work, tmp_path):
+    missing = tmp_path / "missing.yaml"
+    out = launch("train.py", "--config", missing, ok=False)
+    one_error_line(out, f"config file {missing} does not exist")
+    assert out.count("Traceback") == 1 and "CalledProcessError" in out  # accelerate's own report (no --quiet)
+    out = launch("train.py", "--config", missing, ok=False, env={"MHLA_DEBUG": "1"})
+    assert 'train.py", line' in out and "FileNotFoundError: config file" in out
+
+
+def test_ctrl_c_leaves_whole_checkpoints_and_prints_the_resume_command(work):
+    """SIGINT to the launched process group while it saves a checkpoint every step."""
+    out = work / "interrupted"
+    cmd, env = launch_command("train.py", *args(work, out, "--max_steps", "100000", "--checkpointing_steps", "1",
+                                             "--checkpoints_total_limit", "2", "--log_every", "100"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list((out / "checkpoints").glob("checkpoint-*/progress.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    hints = [line for line in output.splitlines() if "interrupted; continue with:" in line]
+    assert len(hints) == 1 and hints[0].endswith("--resume latest") and "accelerate launch" in hints[0], output
+    assert 'train.py", line' not in output, output
+    checkpoints = [d for d in (out / "checkpoints").iterdir() if re.fullmatch(r"checkpoint-\d+", d.name)]
+    assert checkpoints and all((d / "progress.json").is_file() for d in checkpoints)
+    assert not (out / "final").exists()
+    latest = max(int(d.name.split("-")[1]) for d in checkpoints)
+    resumed = launch("train.py", *args(work, out, "--max_steps", latest + 1, "--resume", "latest"))
+    assert f"at step {latest}" in resumed and (out / "final" / "model_index.json").is_file()

@@ -4,12 +4,17 @@
 scheduler, EMA, RNG states) and `progress.json` (step, epoch, batches consumed in that epoch)
 plus the recipe config it was written under. A resumed run checks that config before any
 training starts and skips the consumed batches with `accelerator.skip_first_batches`.
+
+A checkpoint (and final/) is written under a `.partial` name and renamed once whole, so a save
+cut short (Ctrl-C, a lost node) is never taken for a finished one; older checkpoints are removed
+only after the new one is in place.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +25,7 @@ from .config import resume_mismatch, to_dict
 log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
+PARTIAL = ".partial"
 
 
 def checkpoints_dir(config) -> Path:
@@ -27,10 +33,11 @@ def checkpoints_dir(config) -> Path:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints (those with progress.json, written last), oldest first."""
+    """Complete checkpoints (renamed from .partial, with progress.json), oldest first."""
     if not root.is_dir():
         return []
-    found = [d for d in root.iterdir() if d.name.startswith(PREFIX) and (d / "progress.json").is_file()]
+    found = [d for d in root.iterdir() if d.name.startswith(PREFIX) and d.name[len(PREFIX):].isdigit()
+             and (d / "progress.json").is_file()]
     return sorted(found, key=lambda d: int(d.name[len(PREFIX):]))
 
 
@@ -55,6 +62,18 @@ def find_resume(config) -> Path | None:
     return path
 
 
+def partial(path: Path) -> Path:
+    """Where `path` is written until it is complete."""
+    return path.with_name(path.name + PARTIAL)
+
+
+def publish(path: Path) -> None:
+    """Move the finished `partial(path)` to `path`, replacing what was there."""
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(partial(path), path)
+
+
 def read_progress(path: Path) -> dict:
     return json.loads((path / "progress.json").read_text())
 
@@ -62,16 +81,20 @@ def read_progress(path: Path) -> dict:
 def save_checkpoint(accelerator, config, step: int, steps_per_epoch: int) -> Path:
     """Save state for `step`, keeping at most `checkpoints_total_limit` checkpoints."""
     root = checkpoints_dir(config)
-    if accelerator.is_main_process and config.checkpoints_total_limit > 0:
-        existing = list_checkpoints(root)
-        for old in existing[: max(0, len(existing) - config.checkpoints_total_limit + 1)]:
-            shutil.rmtree(old)
     path = root / f"{PREFIX}{step}"
-    accelerator.save_state(str(path))  # collective: every rank takes part
+    if accelerator.is_main_process and root.is_dir():
+        for stale in root.glob(f"*{PARTIAL}"):  # saves that were cut short
+            shutil.rmtree(stale)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial(path)))  # collective: every rank takes part
     if accelerator.is_main_process:
         progress = {"step": step, "epoch": step // steps_per_epoch,
                     "batches_in_epoch": (step % steps_per_epoch) * config.gradient_accumulation_steps}
-        (path / "train_config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        (path / "progress.json").write_text(json.dumps(progress))  # last: marks the checkpoint complete
+        (partial(path) / "train_config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        (partial(path) / "progress.json").write_text(json.dumps(progress))
+        publish(path)
+        if config.checkpoints_total_limit > 0:
+            for old in list_checkpoints(root)[: -config.checkpoints_total_limit]:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return path
