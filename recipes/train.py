@@ -47,7 +47,7 @@ def main(argv=None):
     parser.add_argument("--config", help="recipe YAML; any other --key value overrides one of its keys")
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(args.config, parse_overrides(rest))
-    resume_from = checkpoint.find_resume(cfg)  # a mismatching checkpoint fails before anything loads
+    resume_from = checkpoint.find_resume(cfg)  # a mismatching checkpoint or a used output_dir fails before anything loads
 
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
@@ -133,6 +133,7 @@ def main(argv=None):
         global_step, epoch, skip = progress["step"], progress["epoch"], progress["batches_in_epoch"]
         log.info("resumed from %s at step %d (epoch %d, skipping %d batches)", resume_from, global_step, epoch, skip)
     if accelerator.is_main_process:
+        checkpoint.clear_output_dir(cfg)  # --overwrite_output_dir, now that every input check has passed
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         save_config(cfg, Path(cfg.output_dir) / "train_config.yaml")
         accelerator.init_trackers("mhla", config={k: str(v) for k, v in vars(cfg).items()})

@@ -65,6 +65,11 @@ def test_unknown_keys_are_named(tmp_path):
         load_config(None, {"pretrained": "x", "train_mode": "half"})
     c = load_config(None, parse_overrides(["--pretrained=x", "--learning_rate", "1e-4", "--resolution", "[32, 64]"]))
     assert c.learning_rate == 1e-4 and c.resolution == [32, 64]
+    assert load_config(None, parse_overrides(["--overwrite_output_dir", "--pretrained", "x"])).overwrite_output_dir
+    with pytest.raises(ValueError, match="--train_mode needs a value"):
+        parse_overrides(["--train_mode", "--pretrained", "x"])
+    with pytest.raises(ValueError, match="resume continues the run in output_dir and overwrite_output_dir deletes it"):
+        load_config(None, parse_overrides(["--pretrained", "x", "--resume", "latest", "--overwrite_output_dir"]))
 
 
 def test_all_shipped_configs_load():

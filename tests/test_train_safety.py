@@ -1,6 +1,6 @@
 """recipes/train.py never loses or silently corrupts a run, under `accelerate launch` on the CPU:
-errors are one line, Ctrl-C leaves only whole checkpoints and says how to resume, and an
-unreadable file is counted once however many epochs meet it."""
+a used output_dir is refused, errors are one line, Ctrl-C leaves only whole checkpoints and says
+how to resume, and an unreadable file is counted once however many epochs meet it."""
 
 from __future__ import annotations
 
@@ -48,6 +48,19 @@ def test_unreadable_file_is_counted_once_over_epochs(work):
     skipped = scalars(out, "data/skipped_files")  # 2 steps an epoch: 3 epochs meet the corrupt file
     assert len(skipped) == 6 and skipped[-1] == max(skipped) == 1, log
     assert f"skipped 1 unreadable file(s): {work / 'data' / 'dog' / '4.png'}" in log
+
+
+def test_used_output_dir_is_refused_unless_resumed_or_overwritten(work):
+    out = work / "run"
+    launch("train.py", *args(work, out, "--max_steps", "6", "--checkpointing_steps", "2"))
+    refused = launch("train.py", *args(work, out, "--max_steps", "6"), ok=False, launcher=["--quiet"])
+    one_error_line(refused, f"output_dir {out} holds a previous run (3 checkpoint(s), final/)")
+    assert "Traceback" not in refused and "--resume latest" in refused and "--overwrite_output_dir" in refused
+    resumed = launch("train.py", *args(work, out, "--max_steps", "8", "--checkpointing_steps", "2", "--resume", "latest"))
+    assert "resumed from" in resumed and "at step 6" in resumed
+    launch("train.py", *args(work, out, "--max_steps", "2", "--checkpointing_steps", "2", "--overwrite_output_dir"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert len(scalars(out, "loss")) == 2  # steps 1-2 of the new run only: the old run's logs are gone
 
 
 def test_training_error_is_one_line_and_mhla_debug_shows_the_traceback(work, tmp_path):

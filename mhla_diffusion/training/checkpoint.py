@@ -7,7 +7,7 @@ training starts and skips the consumed batches with `accelerator.skip_first_batc
 
 A checkpoint (and final/) is written under a `.partial` name and renamed once whole, so a save
 cut short (Ctrl-C, a lost node) is never taken for a finished one; older checkpoints are removed
-only after the new one is in place.
+only after the new one is in place. A fresh run refuses an output_dir that holds a previous run.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
 PARTIAL = ".partial"
+RUN_OUTPUTS = ("checkpoints", "final", "logs", "samples", "train_config.yaml")  # what a run writes in output_dir
 
 
 def checkpoints_dir(config) -> Path:
@@ -42,24 +43,49 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def find_resume(config) -> Path | None:
-    """The checkpoint to resume from, validated against `config`; None for a fresh run."""
-    if not config.resume:
-        return None
+    """The checkpoint to resume from, validated against `config`; None for a fresh run, which is
+    refused where it would overwrite a previous run (unless overwrite_output_dir)."""
+    path = None
     if config.resume == "latest":
         found = list_checkpoints(checkpoints_dir(config))
-        if not found:
+        if found:
+            path = found[-1]
+        else:
             log.info("resume=latest: no checkpoint in %s, starting fresh", checkpoints_dir(config))
-            return None
-        path = found[-1]
-    else:
+    elif config.resume:
         path = Path(config.resume)
         if not (path / "progress.json").is_file():
             raise FileNotFoundError(f"resume dir {path} is not a complete checkpoint (no progress.json)")
+    if path is None:
+        check_fresh(config)
+        return None
     saved = yaml.safe_load((path / "train_config.yaml").read_text())
     diff = resume_mismatch(config, saved)
     if diff:
         raise ValueError(f"checkpoint {path} was written by a different recipe; differing keys: {'; '.join(diff)}")
     return path
+
+
+def check_fresh(config) -> None:
+    """A fresh run must not overwrite another run's checkpoints or final model."""
+    out = Path(config.output_dir)
+    n = len(list_checkpoints(checkpoints_dir(config)))
+    held = ([f"{n} checkpoint(s)"] if n else []) + (["final/"] if (out / "final").exists() else [])
+    if held and not config.overwrite_output_dir:
+        raise ValueError(f"output_dir {out} holds a previous run ({', '.join(held)}): continue it with --resume latest, "
+                         "or pass --overwrite_output_dir to delete it and start over")
+
+
+def clear_output_dir(config) -> None:
+    """With overwrite_output_dir, remove what a previous run wrote (its logs too: no merged runs)."""
+    if not config.overwrite_output_dir:
+        return
+    for name in RUN_OUTPUTS:
+        path = Path(config.output_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def partial(path: Path) -> Path:

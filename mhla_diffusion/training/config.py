@@ -73,6 +73,7 @@ class TrainConfig:
     checkpointing_steps: int = 500
     checkpoints_total_limit: int = 3
     resume: str = ""  # "", "latest", or a checkpoint dir
+    overwrite_output_dir: bool = False  # delete a previous run in output_dir (checkpoints, final, logs, samples) first
     log_every: int = 1
     validation_steps: int = 0  # 0 = no periodic samples
     validation_prompts: list = field(default_factory=list)  # text families
@@ -99,6 +100,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.context_parallel < 0:
             raise ValueError(f"context_parallel must be >= 0 (0 = off), got {self.context_parallel}")
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume continues the run in output_dir and overwrite_output_dir deletes it: give one of them")
 
 
 def _coerce(name: str, kind, value):
@@ -140,18 +143,23 @@ def _check_known(keys, where: str) -> None:
 
 
 def parse_overrides(argv: list[str]) -> dict:
-    """['--key', 'value', '--flag=value', ...] -> {key: raw value}."""
+    """['--key', 'value', '--flag=value', '--bool_key', ...] -> {key: raw value}; a bool key
+    without a value (`--overwrite_output_dir`) means true."""
     out, i = {}, 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise ValueError(f"expected --key value, got {arg!r}")
         key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
         if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            elif _field_types().get(key) is bool:
+                value = "true"
+            else:
                 raise ValueError(f"--{key} needs a value")
-            value, i = argv[i + 1], i + 1
-        out[key.replace("-", "_")] = value
+        out[key] = value
         i += 1
     return out
 
