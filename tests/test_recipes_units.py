@@ -72,6 +72,17 @@ def test_unknown_keys_are_named(tmp_path):
         load_config(None, parse_overrides(["--pretrained", "x", "--resume", "latest", "--overwrite_output_dir"]))
 
 
+def test_bad_yaml_is_a_one_line_value_error(tmp_path):
+    """A YAML syntax error in the config file or in a list/dict override names where it is."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("pretrained: x\nresolution: [32, 64\n")
+    with pytest.raises(ValueError, match=r"c\.yaml is not valid YAML: .*line 3") as err:
+        load_config(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"config key 'resolution': cannot read '\[32,' as list"):
+        load_config(None, parse_overrides(["--pretrained", "x", "--resolution", "[32,"]))
+
+
 def test_all_shipped_configs_load():
     for path in sorted((REPO / "recipes" / "configs").glob("*.yaml")):
         assert load_config(path).pretrained

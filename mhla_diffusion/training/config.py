@@ -107,9 +107,9 @@ class TrainConfig:
 def _coerce(name: str, kind, value):
     """`value` (from YAML or the command line) as the field's type."""
     origin = typing.get_origin(kind) or kind
-    if origin in (list, dict) and isinstance(value, str):
-        value = yaml.safe_load(value)
     try:
+        if origin in (list, dict) and isinstance(value, str):
+            value = yaml.safe_load(value)
         if origin is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -125,7 +125,7 @@ def _coerce(name: str, kind, value):
         if origin is str:
             return "" if value is None else str(value)
         return origin(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, yaml.YAMLError):
         raise ValueError(f"config key {name!r}: cannot read {value!r} as {getattr(origin, '__name__', origin)}") from None
 
 
@@ -171,7 +171,12 @@ def load_config(path=None, overrides: dict | None = None) -> TrainConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            raise ValueError(f"{path} is not valid YAML: {getattr(err, 'problem', err)}"
+                             + (f" (line {where.line + 1}, column {where.column + 1})" if where else "")) from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of config keys")
         _check_known(raw, str(path))
