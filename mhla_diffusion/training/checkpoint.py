@@ -7,7 +7,8 @@ training starts and skips the consumed batches with `accelerator.skip_first_batc
 
 A checkpoint (and final/) is written under a `.partial` name and renamed once whole, so a save
 cut short (Ctrl-C, a lost node) is never taken for a finished one; older checkpoints are removed
-only after the new one is in place. A fresh run refuses an output_dir that holds a previous run.
+only after the new one is in place, and renamed to `.removing` before they are deleted. A fresh
+run refuses an output_dir that holds a previous run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .config import resume_mismatch, to_dict
 log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
-PARTIAL = ".partial"
+PARTIAL, REMOVING = ".partial", ".removing"  # being written, being deleted: never a checkpoint
 RUN_OUTPUTS = ("checkpoints", "final", "logs", "samples", "train_config.yaml")  # what a run writes in output_dir
 
 
@@ -96,8 +97,17 @@ def partial(path: Path) -> Path:
 def publish(path: Path) -> None:
     """Move the finished `partial(path)` to `path`, replacing what was there."""
     if path.exists():
-        shutil.rmtree(path)
+        discard(path)
     os.replace(partial(path), path)
+
+
+def discard(path: Path) -> None:
+    """Delete the directory `path`, renamed first: a deletion cut short leaves no half copy under its name."""
+    gone = path.with_name(path.name + REMOVING)
+    if gone.exists():
+        shutil.rmtree(gone)
+    os.replace(path, gone)
+    shutil.rmtree(gone)
 
 
 def read_progress(path: Path) -> dict:
@@ -109,7 +119,7 @@ def save_checkpoint(accelerator, config, step: int, steps_per_epoch: int) -> Pat
     root = checkpoints_dir(config)
     path = root / f"{PREFIX}{step}"
     if accelerator.is_main_process and root.is_dir():
-        for stale in root.glob(f"*{PARTIAL}"):  # saves that were cut short
+        for stale in [*root.glob(f"*{PARTIAL}"), *root.glob(f"*{REMOVING}")]:  # saves and deletions cut short
             shutil.rmtree(stale)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(partial(path)))  # collective: every rank takes part
@@ -121,6 +131,6 @@ def save_checkpoint(accelerator, config, step: int, steps_per_epoch: int) -> Pat
         publish(path)
         if config.checkpoints_total_limit > 0:
             for old in list_checkpoints(root)[: -config.checkpoints_total_limit]:
-                shutil.rmtree(old)
+                discard(old)
     accelerator.wait_for_everyone()
     return path
