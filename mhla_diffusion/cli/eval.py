@@ -55,7 +55,8 @@ def cmd_fid(args) -> int:
     if report is not None:  # the main process reports
         print(f"FID {report['fid']:.3f}  ({report['num_samples']} samples, {report['num_images']} images vs {report['reference']})")
         if report["reference_unreadable"]:
-            print(f"reference: skipped {report['reference_unreadable']} unreadable file(s), e.g. {', '.join(report['reference_unreadable_files'])}")
+            files = ", ".join(report["reference_unreadable_files"])
+            print(f"reference: skipped {report['reference_unreadable']} unreadable file(s), e.g. {files}")
         print(f"report: {args.out}/fid.json")
     return 0
 
