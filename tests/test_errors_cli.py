@@ -16,3 +16,10 @@ def test_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monke
     monkeypatch.setenv("MHLA_DEBUG", "1")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         main(["info", missing])
+
+
+def test_only_rank_0_prints_the_error(tmp_path, capsys, monkeypatch):
+    """Under `accelerate launch` every process meets the same bad input; one line, not one per process."""
+    monkeypatch.setenv("RANK", "1")
+    assert main(["info", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err == ""

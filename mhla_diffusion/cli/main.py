@@ -22,9 +22,11 @@ def debug_requested(flag: bool = False) -> bool:
     return flag or os.environ.get("MHLA_DEBUG", "") not in ("", "0")
 
 
-def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted", speak: bool = True) -> int:
+def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted") -> int:
     """`call()`'s exit status; a user error becomes one line on stderr and 2, Ctrl-C the line
-    `interrupted` and 130 (tracebacks when `debug`; `speak=False` exits without a word)."""
+    `interrupted` and 130 (tracebacks when `debug`). Under a launcher only RANK 0 speaks: every
+    process meets the same bad input, and N copies of the line would bury it."""
+    speak = os.environ.get("RANK", "0") == "0"
     try:
         return call() or 0
     except USER_ERRORS as err:

@@ -1,8 +1,8 @@
 """How a recipe run ends: a user error as one line on stderr and exit 2, Ctrl-C as the command
 that resumes and exit 130, instead of tracebacks around the message.
 
-`--debug` (anywhere in the recipe's arguments) or MHLA_DEBUG=1 keeps the traceback. Only the
-main process speaks: every rank runs the same input checks, so the others would repeat the line.
+`--debug` (anywhere in the recipe's arguments) or MHLA_DEBUG=1 keeps the traceback; only the
+main process speaks (cli.main.report_errors).
 """
 
 from __future__ import annotations
@@ -37,5 +37,4 @@ def run_recipe(main, resumable: bool = False, argv=None) -> int:
     debug = debug_requested("--debug" in argv)
     argv = [a for a in argv if a != "--debug"]
     interrupted = f"interrupted; continue with: {resume_command(script, argv)}" if resumable else "interrupted"
-    return report_errors(lambda: main(argv), os.path.basename(script), debug, interrupted,
-                         speak=os.environ.get("RANK", "0") == "0")
+    return report_errors(lambda: main(argv), os.path.basename(script), debug, interrupted)
