@@ -93,3 +93,25 @@ def test_ctrl_c_leaves_whole_checkpoints_and_prints_the_resume_command(work):
     latest = max(int(d.name.split("-")[1]) for d in checkpoints)
     resumed = launch("train.py", *args(work, out, "--max_steps", latest + 1, "--resume", "latest"))
     assert f"at step {latest}" in resumed and (out / "final" / "model_index.json").is_file()
+
+
+def test_recipe_exit_statuses_and_resume_command(capsys, monkeypatch):
+    """run_recipe, what `python recipes/train.py` ends through: 2 and 130 with one line each, the
+    resume command without --resume or --overwrite_output_dir, and --debug re-raising."""
+    from mhla_diffusion.training.launch import run_recipe
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    def bad(argv):
+        raise ValueError(f"bad input {argv}")
+
+    monkeypatch.setattr("sys.argv", ["recipes/train.py"])
+    argv = ["--config", "my run.yaml", "--overwrite_output_dir", "--max_steps", "9", "--resume=x", "--overwrite_output_dir", "true"]
+    assert run_recipe(interrupted, resumable=True, argv=argv) == 130
+    assert capsys.readouterr().err == ("train.py: interrupted; continue with: accelerate launch recipes/train.py "
+                                       "--config 'my run.yaml' --max_steps 9 --resume latest\n")
+    assert run_recipe(bad, argv=["--a", "1"]) == 2
+    assert capsys.readouterr().err == "train.py: error: bad input ['--a', '1']\n"
+    with pytest.raises(ValueError, match="bad input"):
+        run_recipe(bad, argv=["--debug", "--a", "1"])
