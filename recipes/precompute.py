@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from accelerate import Accelerator
 
 from mhla_diffusion.training.config import load_config, parse_overrides
+from mhla_diffusion.training.launch import run_recipe
 from mhla_diffusion.training.precompute import precompute
 from mhla_diffusion.training.teacher_cache import write_teacher_cache
 
@@ -49,4 +51,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recipe(main))

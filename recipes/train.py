@@ -8,7 +8,9 @@ trains it with the family's upstream objective (DDPM + learned variance for DiT/
 matching for SANA/Wan), optionally distilling from the unconverted model. Every random draw of
 step k comes from a seed of (seed, k, micro-batch, data-parallel rank), so a resumed run continues
 exactly as an uninterrupted one would. `--context_parallel P` splits each sample's tokens over the
-P processes (mhla_diffusion.training.sequence_parallel). Helpers live in mhla_diffusion.training.
+P processes (mhla_diffusion.training.sequence_parallel). A bad input ends the run with one line and
+exit 2, Ctrl-C with the resume command and 130 (tracebacks with --debug or MHLA_DEBUG=1). Helpers
+live in mhla_diffusion.training.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +30,7 @@ from diffusers.training_utils import EMAModel
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from mhla_diffusion.training import checkpoint, conditioning, data, distill, model, objectives, sequence_parallel, validation
+from mhla_diffusion.training import checkpoint, conditioning, data, distill, launch, model, objectives, sequence_parallel, validation
 from mhla_diffusion.training.config import load_config, parse_overrides, save_config
 from mhla_diffusion.training.families import model_output, recipe_for, transformer_inputs
 
@@ -44,7 +47,7 @@ def main(argv=None):
     parser.add_argument("--config", help="recipe YAML; any other --key value overrides one of its keys")
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(args.config, parse_overrides(rest))
-    resume_from = checkpoint.find_resume(cfg)  # a mismatching checkpoint fails before anything loads
+    resume_from = checkpoint.find_resume(cfg)  # a mismatching checkpoint or a used output_dir fails before anything loads
 
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
@@ -71,6 +74,7 @@ def main(argv=None):
     validation.check_validation(cfg, family)
     data_type = cfg.data_type if cfg.data_type != "auto" else data.detect_data_type(cfg.data_dir, recipe.video)
     dataset = data.build_dataset(data_type, cfg.data_dir, cfg.resolution, cfg.num_frames)
+    skipped = data.SkippedFiles(dataset, cfg.max_unreadable)
     cached = data_type == "latents"
     if cached:
         data.check_cache(dataset.info, cfg, family)
@@ -129,6 +133,7 @@ def main(argv=None):
         global_step, epoch, skip = progress["step"], progress["epoch"], progress["batches_in_epoch"]
         log.info("resumed from %s at step %d (epoch %d, skipping %d batches)", resume_from, global_step, epoch, skip)
     if accelerator.is_main_process:
+        checkpoint.clear_output_dir(cfg)  # --overwrite_output_dir, now that every input check has passed
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         save_config(cfg, Path(cfg.output_dir) / "train_config.yaml")
         accelerator.init_trackers("mhla", config={k: str(v) for k, v in vars(cfg).items()})
@@ -149,14 +154,14 @@ def main(argv=None):
 
     # --- loop
     bar = tqdm(total=cfg.max_steps, initial=global_step, desc="steps", disable=not accelerator.is_local_main_process)
-    logged, skipped = {}, torch.zeros((), device=device)
+    logged = {}
     while global_step < cfg.max_steps:
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         batches.set_epoch(epoch)  # the shuffle order is a function of (seed, epoch)
         n_batches = steps_per_epoch * cfg.gradient_accumulation_steps - skip  # whole optimizer steps only
         for micro, batch in enumerate(itertools.islice(batches, n_batches)):
             torch.manual_seed(step_seed(cfg.seed, global_step, micro % cfg.gradient_accumulation_steps, data_rank))
-            skipped += batch.pop("skipped")
+            skipped.add(batch.pop("skipped"))
             with accelerator.accumulate(transformer):
                 losses = losses_of(batch)
                 loss = sum(losses.values())
@@ -176,7 +181,7 @@ def main(argv=None):
                 ema.step(params)
             if global_step % cfg.log_every == 0 or global_step == cfg.max_steps:
                 scalars = {k: accelerator.reduce(v, "mean").item() for k, v in logged.items()}
-                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": accelerator.reduce(skipped, "sum").item() / cp_size})
+                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": skipped.sync(accelerator)})
                 accelerator.log(scalars, step=global_step)
                 bar.set_postfix(loss=f"{scalars['loss']:.4f}")
             logged = {}
@@ -190,6 +195,8 @@ def main(argv=None):
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
+    if skipped.files.paths and accelerator.is_main_process:
+        log.warning(skipped.files.summary())
 
     # --- final save, loadable with mhla_diffusion.from_pretrained
     accelerator.wait_for_everyone()
@@ -207,4 +214,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(launch.run_recipe(main, resumable=True))

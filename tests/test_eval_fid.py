@@ -190,3 +190,28 @@ def test_bad_references_and_sample_counts(dit_dir, sets, inception_weights, tmp_
     assert "at least 2" in capsys.readouterr().err
     assert fid_cli(dit_dir, tmp_path / "missing_ref", tmp_path / "o", 4, *weights) == 2
     assert "missing_ref" in capsys.readouterr().err
+
+
+def test_unreadable_reference_images_are_skipped_and_counted_once(sets, inception_weights, tmp_path, capsys):
+    """One corrupt file among 11: ref-stats and fid skip it, count it once and name it."""
+    a, _ = sets
+    ref = write_images(tmp_path / "ref", 10, seed=4)
+    (ref / "broken.png").write_bytes(b"not a png")
+    assert main(["eval", "ref-stats", str(ref), str(tmp_path / "ref.npz"), "--inception-weights", str(inception_weights)]) == 0
+    out = capsys.readouterr().out
+    assert "from n = 10 images" in out and f"skipped 1 unreadable file(s): {ref / 'broken.png'}" in out
+    value, n = fid.fid(images.list_images(a), ref, feature=PooledPixels())
+    assert n == 10 and np.isfinite(value)
+
+
+def test_mostly_unreadable_reference_aborts_with_the_limit(sets, inception_weights, tmp_path, capsys):
+    ref = write_images(tmp_path / "ref", 3, seed=5)
+    for i in range(5):
+        (ref / f"broken{i}.png").write_bytes(b"")
+    assert main(["eval", "ref-stats", str(ref), str(tmp_path / "r.npz"), "--inception-weights", str(inception_weights)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # besides the progress bar
+    assert len(errors) == 1 and "past the limit of 10%" in errors[0] and "raise --max-unreadable" in errors[0]
+    assert not (tmp_path / "r.npz").exists()
+    a, _ = sets
+    with pytest.raises(ValueError, match="past the limit of 50%: 5 of 8 so far"):
+        fid.fid(images.list_images(a), ref, feature=PooledPixels(), unreadable=images.UnreadableFiles(0.5))

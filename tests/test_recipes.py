@@ -24,16 +24,22 @@ from mhla_diffusion import zoo
 REPO = Path(__file__).resolve().parents[1]
 
 
-def launch(script: str, *args, processes: int = 1, ok: bool = True) -> str:
-    """Run a recipe under `accelerate launch` on the CPU; its output. `ok=False`: it must fail.
+def launch_command(script: str, *args, processes: int = 1, launcher=(), env=None) -> tuple[list, dict]:
+    """(command, environment) of a recipe under `accelerate launch [launcher options]` on the CPU.
 
     accelerate's `--cpu` starts one process whatever `--num_processes` says; `--multi_gpu` with
     ACCELERATE_USE_CPU starts them through torchrun and they join a gloo group."""
     mode = "--cpu" if processes == 1 else "--multi_gpu"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes), "--num_machines", "1",
            mode, "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "recipes" / script), *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    return cmd, env
+
+
+def launch(script: str, *args, processes: int = 1, ok: bool = True, launcher=(), env=None) -> str:
+    """Run a recipe under `accelerate launch` on the CPU; its output. `ok=False`: it must fail."""
+    cmd, env = launch_command(script, *args, processes=processes, launcher=launcher, env=env)
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert (run.returncode == 0) == ok, f"{' '.join(cmd)}\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
     return run.stdout + run.stderr
@@ -102,7 +108,7 @@ def work(tmp_path_factory):
     return root
 
 
-COMMON = ["--num_workers", "0", "--log_every", "1"]
+COMMON = ["--num_workers", "0", "--log_every", "1", "--max_unreadable", "0.5"]  # one corrupt file in 5-7
 
 
 def test_dit_full_ema_distill_resume_matches_uninterrupted(work):

@@ -75,5 +75,6 @@ def test_context_parallel_refuses_sana(tmp_path):
         noise_image(np.random.default_rng(i), (32, 32)).save(images / f"{i}.png")
     write_metadata(images, [("0.png", "a cat"), ("1.png", "a dog")])
     out = launch("train.py", "--pretrained", tmp_path / "sana", "--data_dir", images, "--resolution", "32",
-                 "--num_workers", "0", "--output_dir", tmp_path / "out", "--context_parallel", "2", processes=2, ok=False)
+                 "--num_workers", "0", "--output_dir", tmp_path / "out", "--context_parallel", "2", processes=2, ok=False,
+                 env={"MHLA_DEBUG": "1"})  # every rank's traceback: without it only rank 0 prints the error
     assert out.count("no context-parallel plan for SanaTransformer2DModel") >= 2, out[-3000:]

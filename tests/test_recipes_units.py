@@ -65,6 +65,22 @@ def test_unknown_keys_are_named(tmp_path):
         load_config(None, {"pretrained": "x", "train_mode": "half"})
     c = load_config(None, parse_overrides(["--pretrained=x", "--learning_rate", "1e-4", "--resolution", "[32, 64]"]))
     assert c.learning_rate == 1e-4 and c.resolution == [32, 64]
+    assert load_config(None, parse_overrides(["--overwrite_output_dir", "--pretrained", "x"])).overwrite_output_dir
+    with pytest.raises(ValueError, match="--train_mode needs a value"):
+        parse_overrides(["--train_mode", "--pretrained", "x"])
+    with pytest.raises(ValueError, match="resume continues the run in output_dir and overwrite_output_dir deletes it"):
+        load_config(None, parse_overrides(["--pretrained", "x", "--resume", "latest", "--overwrite_output_dir"]))
+
+
+def test_bad_yaml_is_a_one_line_value_error(tmp_path):
+    """A YAML syntax error in the config file or in a list/dict override names where it is."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("pretrained: x\nresolution: [32, 64\n")
+    with pytest.raises(ValueError, match=r"c\.yaml is not valid YAML: .*line 3") as err:
+        load_config(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"config key 'resolution': cannot read '\[32,' as list"):
+        load_config(None, parse_overrides(["--pretrained", "x", "--resolution", "[32,"]))
 
 
 def test_all_shipped_configs_load():
@@ -154,7 +170,8 @@ def test_precompute_skips_and_counts_unreadable(tmp_path, sana_dir, one_image):
 
     from mhla_diffusion.training.precompute import precompute
 
-    cfg = load_config(None, {"pretrained": str(sana_dir), "data_dir": str(one_image), "resolution": 32, "num_workers": 0})
+    cfg = load_config(None, {"pretrained": str(sana_dir), "data_dir": str(one_image), "resolution": 32, "num_workers": 0,
+                             "max_unreadable": 0.5})
     info = precompute(cfg, tmp_path / "cache", Accelerator(cpu=True))
     assert (info["samples"], info["unreadable"]) == (1, 1)
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 1
@@ -165,6 +182,7 @@ def test_overfit_one_batch_loss_falls(tmp_path, sana_dir, one_image):
     out = tmp_path / "overfit"
     recipe("train").main(["--pretrained", str(sana_dir), "--data_dir", str(one_image), "--resolution", "32",
                           "--max_steps", "60", "--learning_rate", "3e-3", "--num_workers", "0", "--checkpointing_steps", "1000",
+                          "--max_unreadable", "0.5",
                           "--output_dir", str(out), "--logit_std", "0.1", "--flow_shift", "1.0"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -32,6 +32,14 @@ def _dtype(args):
     return parse_dtype(args.dtype)
 
 
+def _max_unreadable(p: argparse.ArgumentParser) -> None:
+    from ..evaluation.images import MAX_UNREADABLE
+
+    p.add_argument("--max-unreadable", type=float, default=MAX_UNREADABLE, metavar="FRACTION",
+                   help="unreadable reference images are skipped, each counted once; more than this fraction of them "
+                        "is an error (default %(default)s)")
+
+
 def _device():
     from accelerate import PartialState
 
@@ -43,21 +51,29 @@ def cmd_fid(args) -> int:
 
     report = run_fid(args.model, args.reference, args.out, args.num_samples, _settings(args, args.guidance_scale),
                      batch_size=args.batch_size, fid_batch_size=args.fid_batch_size, torch_dtype=_dtype(args),
-                     inception_weights=args.inception_weights)
+                     inception_weights=args.inception_weights, max_unreadable=args.max_unreadable)
     if report is not None:  # the main process reports
         print(f"FID {report['fid']:.3f}  ({report['num_samples']} samples, {report['num_images']} images vs {report['reference']})")
+        if report["reference_unreadable"]:
+            files = ", ".join(report["reference_unreadable_files"])
+            print(f"reference: skipped {report['reference_unreadable']} unreadable file(s), e.g. {files}")
         print(f"report: {args.out}/fid.json")
     return 0
 
 
 def cmd_ref_stats(args) -> int:
     from ..evaluation.fid import folder_stats
+    from ..evaluation.images import UnreadableFiles
 
     if not args.output.endswith(".npz"):
         raise ValueError(f"output must be an .npz file, got {args.output}")
-    stats = folder_stats(args.folder, inception_weights=args.inception_weights, batch_size=args.batch_size, progress=True, device=_device())
+    unreadable = UnreadableFiles(args.max_unreadable)
+    stats = folder_stats(args.folder, inception_weights=args.inception_weights, batch_size=args.batch_size, progress=True,
+                         device=_device(), unreadable=unreadable)
     stats.save(args.output)
     print(f"wrote {args.output}: mu, sigma ({stats.mu.size} features) from n = {stats.n} images")
+    if unreadable.paths:
+        print(unreadable.summary())
     return 0
 
 
@@ -95,6 +111,7 @@ def register(subparsers) -> None:
     f.add_argument("--batch-size", type=int, default=8, help="samples per pipeline call and process")
     f.add_argument("--fid-batch-size", type=int, default=50, help="images per Inception batch")
     f.add_argument("--inception-weights", help="torch-fidelity InceptionV3 .pth (default: the torch hub cache)")
+    _max_unreadable(f)
     _sampling_args(f)
     f.set_defaults(func=cmd_fid)
 
@@ -103,6 +120,7 @@ def register(subparsers) -> None:
     r.add_argument("output", help="output .npz (mu, sigma, n)")
     r.add_argument("--inception-weights", help="torch-fidelity InceptionV3 .pth (default: the torch hub cache)")
     r.add_argument("--batch-size", type=int, default=50)
+    _max_unreadable(r)
     r.set_defaults(func=cmd_ref_stats)
 
     c = sub.add_parser("compare", help="teacher vs student on the same seeds: PSNR, SSIM, latent MSE, image grid")

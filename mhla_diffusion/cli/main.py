@@ -1,13 +1,46 @@
-"""Entry point: builds the parser from the command modules and turns user errors into one line."""
+"""Entry point: builds the parser from the command modules and turns user errors into one line.
+
+`mhla-diffusion --debug COMMAND ...` or MHLA_DEBUG=1 shows the traceback instead; the recipes
+(recipes/train.py, recipes/precompute.py) end through the same `report_errors`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Each module registers its sub-commands: register(subparsers) -> None, handlers set `func`.
 COMMAND_MODULES = ["convert", "transfer", "info", "demo", "eval", "bench"]
+# What bad input raises (FileNotFoundError, NotADirectoryError, FileExistsError are OSErrors);
+# anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
+
+
+def debug_requested(flag: bool = False) -> bool:
+    return flag or os.environ.get("MHLA_DEBUG", "") not in ("", "0")
+
+
+def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted") -> int:
+    """`call()`'s exit status; a user error becomes one line on stderr and 2, Ctrl-C the line
+    `interrupted` and 130 (tracebacks when `debug`). Under a launcher only RANK 0 speaks: every
+    process meets the same bad input, and N copies of the line would bury it."""
+    speak = os.environ.get("RANK", "0") == "0"
+    try:
+        return call() or 0
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        if speak:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        if speak:
+            print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mhla-diffusion",
         description="Retrofit diffusers transformers with multi-head linear attention (MHLA).",
     )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or set MHLA_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__package__}.{name}").register(sub)
@@ -22,16 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except (ValueError, FileNotFoundError, NotADirectoryError, OSError) as err:
-        print(f"mhla-diffusion {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"mhla-diffusion {args.command}: interrupted", file=sys.stderr)
-        return 130
+    args = build_parser().parse_args(argv)
+    return report_errors(lambda: args.func(args), f"mhla-diffusion {args.command}", debug_requested(args.debug))
 
 
 if __name__ == "__main__":

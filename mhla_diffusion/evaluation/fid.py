@@ -68,13 +68,25 @@ def num_features(metric) -> int:
     return metric.real_features_sum.numel()
 
 
-def add_images(metric, paths, real: bool, batch_size: int = 50, desc: str | None = None) -> None:
-    """Feed image files to the real or fake side of `metric`."""
+def add_images(metric, paths, real: bool, batch_size: int = 50, desc: str | None = None, unreadable=None) -> None:
+    """Feed image files to the real or fake side of `metric`, skipping into `unreadable` (if given)."""
     device = metric.real_features_sum.device
     with tqdm(total=len(paths), desc=desc, unit="img", disable=desc is None) as bar:
-        for batch in images.batches(paths, batch_size):
+        for batch in images.batches(paths, batch_size, unreadable):
             metric.update(batch.to(device), real=real)
             bar.update(len(batch))
+
+
+def add_reference_folder(metric, folder, batch_size: int, progress: bool, unreadable=None) -> int:
+    """Feed every readable image under `folder` to the real side (unreadable ones are skipped under
+    `unreadable`'s limit, by default images.MAX_UNREADABLE); returns how many were used."""
+    paths = images.list_images(folder)
+    check_count(len(paths), f"reference folder {folder}")
+    unreadable = images.UnreadableFiles() if unreadable is None else unreadable
+    add_images(metric, paths, real=True, batch_size=batch_size, desc="reference" if progress else None, unreadable=unreadable)
+    n = len(paths) - len(unreadable.paths)
+    check_count(n, f"reference folder {folder} (readable images)")
+    return n
 
 
 def set_real_stats(metric, stats: FeatureStats) -> None:
@@ -125,16 +137,15 @@ def tensor_stats(images_uint8: torch.Tensor, feature, batch_size: int = 500, dev
     return side_stats(metric, real=True)
 
 
-def folder_stats(folder, feature=None, inception_weights=None, batch_size: int = 50, progress: bool = False, device="cpu") -> FeatureStats:
-    """Stats of every image under `folder` (what `eval ref-stats` writes)."""
-    paths = images.list_images(folder)
-    check_count(len(paths), f"reference folder {folder}")
+def folder_stats(folder, feature=None, inception_weights=None, batch_size: int = 50, progress: bool = False, device="cpu",
+                 unreadable=None) -> FeatureStats:
+    """Stats of every readable image under `folder` (what `eval ref-stats` writes)."""
     metric = make_metric(feature, inception_weights, device)
-    add_images(metric, paths, real=True, batch_size=batch_size, desc="reference" if progress else None)
+    add_reference_folder(metric, folder, batch_size, progress, unreadable)
     return side_stats(metric, real=True)
 
 
-def load_reference(metric, reference, batch_size: int = 50, progress: bool = False) -> int:
+def load_reference(metric, reference, batch_size: int = 50, progress: bool = False, unreadable=None) -> int:
     """Fill the real side from an image folder or an .npz of stats; returns the reference's n."""
     reference = Path(reference)
     if not reference.exists():
@@ -145,16 +156,15 @@ def load_reference(metric, reference, batch_size: int = 50, progress: bool = Fal
         stats = FeatureStats.load(reference)
         set_real_stats(metric, stats)
         return stats.n
-    paths = images.list_images(reference)
-    check_count(len(paths), f"reference folder {reference}")
-    add_images(metric, paths, real=True, batch_size=batch_size, desc="reference" if progress else None)
-    return len(paths)
+    return add_reference_folder(metric, reference, batch_size, progress, unreadable)
 
 
-def fid(fake_paths, reference, feature=None, inception_weights=None, batch_size: int = 50, progress: bool = False, device="cpu") -> tuple[float, int]:
-    """FID of the images `fake_paths` against `reference` (folder or .npz); returns (fid, reference n)."""
+def fid(fake_paths, reference, feature=None, inception_weights=None, batch_size: int = 50, progress: bool = False, device="cpu",
+        unreadable=None) -> tuple[float, int]:
+    """FID of the images `fake_paths` against `reference` (folder or .npz); returns (fid, reference n).
+    Unreadable reference images are skipped under `unreadable`; an unreadable sample is an error."""
     check_count(len(fake_paths), "the generated set")
     metric = make_metric(feature, inception_weights, device)
-    n_ref = load_reference(metric, reference, batch_size, progress)
+    n_ref = load_reference(metric, reference, batch_size, progress, unreadable)
     add_images(metric, list(fake_paths), real=False, batch_size=batch_size, desc="samples" if progress else None)
     return frechet_distance(side_stats(metric, real=True), side_stats(metric, real=False)), n_ref

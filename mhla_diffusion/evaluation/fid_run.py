@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from . import fid as fidlib
-from . import inception
+from . import images, inception
 from .sampling import SamplingSettings, family_name, generate, load_pipeline
 from .store import SampleStore
 
@@ -31,8 +31,10 @@ def generate_missing(pipe, store: SampleStore, todo: list[int], settings: Sampli
 
 
 def run_fid(model, reference, out, num_samples: int, settings: SamplingSettings, *, batch_size: int = 8,
-            fid_batch_size: int = 50, torch_dtype=None, feature=None, inception_weights=None) -> dict | None:
-    """Samples in `out`/samples, FID against `reference`, report in `out`/fid.json (main process)."""
+            fid_batch_size: int = 50, torch_dtype=None, feature=None, inception_weights=None,
+            max_unreadable: float = images.MAX_UNREADABLE) -> dict | None:
+    """Samples in `out`/samples, FID against `reference`, report in `out`/fid.json (main process);
+    up to `max_unreadable` of a reference folder's files may be unreadable (skipped, reported)."""
     from accelerate import PartialState
 
     fidlib.check_count(num_samples, "the generated set")
@@ -62,7 +64,9 @@ def run_fid(model, reference, out, num_samples: int, settings: SamplingSettings,
     if not state.is_main_process:
         return None
     paths = store.image_paths(num_samples)
-    value, n_ref = fidlib.fid(paths, reference, feature, inception_weights, fid_batch_size, progress=True, device=state.device)
+    unreadable = images.UnreadableFiles(max_unreadable)
+    value, n_ref = fidlib.fid(paths, reference, feature, inception_weights, fid_batch_size, progress=True, device=state.device,
+                              unreadable=unreadable)
     t_fid = time.perf_counter()
     report = {
         "fid": value,
@@ -72,6 +76,8 @@ def run_fid(model, reference, out, num_samples: int, settings: SamplingSettings,
         "family": family,
         "reference": str(reference),
         "reference_n": n_ref,
+        "reference_unreadable": len(unreadable.paths),
+        "reference_unreadable_files": [str(p) for p in list(unreadable.paths)[:images.NAMED]],
         "feature": "inception-v3 2048-d (torch-fidelity weights)" if feature is None else type(feature).__name__,
         "settings": {**settings.to_dict(), "batch_size": batch_size, "dtype": str(torch_dtype), "num_processes": state.num_processes},
         "timings_s": {"load": t_load - t0, "sampling": t_gen - t_load, "fid": t_fid - t_gen, "total": t_fid - t0},

@@ -1,7 +1,9 @@
-"""Image files in and out: folders of real images, generated samples written atomically."""
+"""Image files in and out: folders of real images, generated samples written atomically, and
+the one rule for unreadable input files (here and in training data)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Iterator
@@ -10,7 +12,39 @@ import numpy as np
 import torch
 from PIL import Image
 
+log = logging.getLogger(__name__)
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+MAX_UNREADABLE = 0.1  # default: the fraction of a set's files that may be unreadable
+NAMED = 3  # unreadable paths named in warnings and messages
+
+
+class UnreadableFiles:
+    """Unreadable inputs: skip each, count it once however often it is met, and give up once more
+    than `limit` (a fraction) of the `total` files are unreadable. One bad file among thousands
+    must not stop hours of work; a folder of mostly broken files must not pass quietly."""
+
+    def __init__(self, limit: float = MAX_UNREADABLE, option: str = "--max-unreadable"):
+        if not 0 <= limit <= 1:
+            raise ValueError(f"{option} is a fraction of the files, from 0 to 1; got {limit}")
+        self.limit, self.option, self.paths = limit, option, {}  # a dict: ordered, and a quick membership test
+
+    def add(self, path, err, total: int) -> None:
+        if path in self.paths:
+            return
+        self.paths[path] = None
+        if len(self.paths) <= NAMED:
+            log.info("skipping unreadable %s: %s", path, err)  # the caller reports the count
+        if len(self.paths) > self.limit * total:
+            raise ValueError(f"unreadable files past the limit of {self.limit * 100:g}%: {len(self.paths)} of {total} so far "
+                             f"({self.named()}); fix or remove them, or raise {self.option}")
+
+    def named(self) -> str:
+        more = len(self.paths) - NAMED
+        return ", ".join(map(str, list(self.paths)[:NAMED])) + (f" and {more} more" if more > 0 else "")
+
+    def summary(self) -> str:
+        return f"skipped {len(self.paths)} unreadable file(s): {self.named()}"
 
 
 def list_images(folder) -> list[Path]:
@@ -30,11 +64,19 @@ def load_uint8(path) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
-def batches(paths, batch_size: int) -> Iterator[torch.Tensor]:
-    """(B, 3, H, W) uint8 batches; a new batch starts where the image size changes."""
+def batches(paths, batch_size: int, unreadable: UnreadableFiles | None = None) -> Iterator[torch.Tensor]:
+    """(B, 3, H, W) uint8 batches; a new batch starts where the image size changes. Unreadable
+    files go to `unreadable` (None: they are errors, as in generated samples)."""
+    paths = list(paths)
     batch = []
     for path in paths:
-        img = load_uint8(path)
+        try:
+            img = load_uint8(path)
+        except Exception as err:  # noqa: BLE001 - whatever the decoder raises, the file is unreadable
+            if unreadable is None:
+                raise
+            unreadable.add(path, err, len(paths))
+            continue
         if batch and (len(batch) == batch_size or img.shape != batch[0].shape):
             yield torch.stack(batch)
             batch = []

@@ -49,6 +49,7 @@ class TrainConfig:
     num_frames: int = 81
     max_sequence_length: int = 0  # 0: the pipeline's default
     num_workers: int = 2
+    max_unreadable: float = 0.1  # unreadable files are skipped, each counted once; more than this fraction stops the run
     # optimization
     train_batch_size: int = 1
     gradient_accumulation_steps: int = 1
@@ -72,6 +73,7 @@ class TrainConfig:
     checkpointing_steps: int = 500
     checkpoints_total_limit: int = 3
     resume: str = ""  # "", "latest", or a checkpoint dir
+    overwrite_output_dir: bool = False  # delete a previous run in output_dir (checkpoints, final, logs, samples) first
     log_every: int = 1
     validation_steps: int = 0  # 0 = no periodic samples
     validation_prompts: list = field(default_factory=list)  # text families
@@ -98,14 +100,16 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.context_parallel < 0:
             raise ValueError(f"context_parallel must be >= 0 (0 = off), got {self.context_parallel}")
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume continues the run in output_dir and overwrite_output_dir deletes it: give one of them")
 
 
 def _coerce(name: str, kind, value):
     """`value` (from YAML or the command line) as the field's type."""
     origin = typing.get_origin(kind) or kind
-    if origin in (list, dict) and isinstance(value, str):
-        value = yaml.safe_load(value)
     try:
+        if origin in (list, dict) and isinstance(value, str):
+            value = yaml.safe_load(value)
         if origin is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -121,7 +125,7 @@ def _coerce(name: str, kind, value):
         if origin is str:
             return "" if value is None else str(value)
         return origin(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, yaml.YAMLError):
         raise ValueError(f"config key {name!r}: cannot read {value!r} as {getattr(origin, '__name__', origin)}") from None
 
 
@@ -139,18 +143,23 @@ def _check_known(keys, where: str) -> None:
 
 
 def parse_overrides(argv: list[str]) -> dict:
-    """['--key', 'value', '--flag=value', ...] -> {key: raw value}."""
+    """['--key', 'value', '--flag=value', '--bool_key', ...] -> {key: raw value}; a bool key
+    without a value (`--overwrite_output_dir`) means true."""
     out, i = {}, 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise ValueError(f"expected --key value, got {arg!r}")
         key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
         if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            elif _field_types().get(key) is bool:
+                value = "true"
+            else:
                 raise ValueError(f"--{key} needs a value")
-            value, i = argv[i + 1], i + 1
-        out[key.replace("-", "_")] = value
+        out[key] = value
         i += 1
     return out
 
@@ -162,7 +171,12 @@ def load_config(path=None, overrides: dict | None = None) -> TrainConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            raise ValueError(f"{path} is not valid YAML: {getattr(err, 'problem', err)}"
+                             + (f" (line {where.line + 1}, column {where.column + 1})" if where else "")) from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of config keys")
         _check_known(raw, str(path))

@@ -7,15 +7,15 @@ Layouts (captions follow the Hugging Face imagefolder convention, `metadata.json
   videos:                     root/metadata.jsonl naming .mp4 files or folders of frames
   latents:                    root/cache.json + one .safetensors per sample (recipes/precompute.py)
 
-A file that cannot be read is replaced by the next readable sample and counted in the
-sample's "skipped" field, so one bad file among millions neither stops a run nor changes
-batch shapes; the loop sums and logs the count.
+A file that cannot be read is replaced by the next readable sample and named in the sample's
+"skipped" field, so one bad file among millions neither stops a run nor changes batch shapes;
+the loop counts each file once over epochs and processes (`SkippedFiles`, the rule of
+evaluation.images.UnreadableFiles) and stops past `max_unreadable` of the files.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-log = logging.getLogger(__name__)
+from ..evaluation.images import UnreadableFiles
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi"}
@@ -61,34 +61,49 @@ def read_metadata(root: Path) -> list[dict]:
 
 
 class SkippingDataset(Dataset):
-    """Base: `load(i)` may raise; `__getitem__` then moves on to the next sample and counts it."""
-
-    warned: set  # indices already reported, set by subclasses
+    """Base: `load(i)` may raise; `__getitem__` then moves on to the next sample and names the
+    skipped ones as (index, error) in "skipped" (data loader workers cannot share a tally)."""
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, index):
-        skipped = 0
-        for attempt in range(MAX_SKIP):
+        skipped = []
+        for attempt in range(min(MAX_SKIP, len(self.items))):
             i = (index + attempt) % len(self.items)
             try:
-                sample = self.load(i)
-                sample["skipped"] = skipped
-                return sample
+                return {**self.load(i), "skipped": skipped}
             except Exception as err:  # noqa: BLE001 - any unreadable file is skipped, whatever the decoder raises
-                skipped += 1
-                if i not in self.warned:  # once per file, not once per epoch
-                    self.warned.add(i)
-                    log.warning("skipping unreadable %s: %s", self.items[i]["file"], err)
-        raise RuntimeError(f"{MAX_SKIP} consecutive unreadable files from index {index} in {self.root}: check the data")
+                skipped.append((i, str(err)))
+        raise ValueError(f"{len(skipped)} unreadable files in a row from {self.items[index]['file']}: check the data in {self.root}")
+
+
+class SkippedFiles:
+    """The unreadable files that all processes met, each counted once (a file comes back every
+    epoch, and to every rank of a context-parallel group); past `limit` of the files, an error."""
+
+    def __init__(self, dataset, limit: float):
+        self.dataset, self.new = dataset, []
+        self.files = UnreadableFiles(limit, "--max_unreadable")
+
+    def add(self, skipped: list) -> None:
+        self.new += skipped
+
+    def sync(self, accelerator) -> int:
+        """Pool what every process met since the last call (collective); the count so far."""
+        from accelerate.utils import gather_object
+
+        met, self.new = gather_object(self.new), []
+        for i, err in met:
+            self.files.add(self.dataset.items[i]["file"], err, len(self.dataset))
+        return len(self.files.paths)
 
 
 class ImageFolder(SkippingDataset):
     """Images with class subfolders (labels) or metadata.jsonl (captions)."""
 
     def __init__(self, root, resolution):
-        self.root, self.size, self.warned = Path(root), tuple(resolution), set()
+        self.root, self.size = Path(root), tuple(resolution)
         if (self.root / METADATA).is_file():
             self.items = [{"file": self.root / r["file"], "caption": r["caption"]} for r in read_metadata(self.root)]
             self.classes = None
@@ -132,7 +147,7 @@ class VideoFolder(SkippingDataset):
     """Captioned clips: (3, F, H, W) in [-1, 1] from mp4 files or folders of frames."""
 
     def __init__(self, root, resolution, num_frames):
-        self.root, self.size, self.num_frames, self.warned = Path(root), tuple(resolution), num_frames, set()
+        self.root, self.size, self.num_frames = Path(root), tuple(resolution), num_frames
         if not (self.root / METADATA).is_file():
             raise ValueError(f"{self.root} has no {METADATA}: a video folder needs one line per clip, "
                              '{"file_name": "clip.mp4" or "frames_dir", "text": "caption"}')
@@ -167,7 +182,7 @@ class LatentCache(Dataset):
         sample = self._load(str(self.files[i]))
         if "class_label" in sample:
             sample["class_label"] = int(sample["class_label"])
-        sample["skipped"] = 0
+        sample["skipped"] = []
         return sample
 
 
@@ -197,12 +212,12 @@ def build_dataset(data_type: str, data_dir, resolution, num_frames):
 
 
 def collate(samples: list[dict]) -> dict:
-    """Stack tensors, keep captions as a list, sum the skipped-file counts."""
+    """Stack tensors, keep captions as a list, join the lists of skipped files."""
     batch = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
         if key == "skipped":
-            batch[key] = sum(values)
+            batch[key] = sum(values, [])
         elif isinstance(values[0], torch.Tensor):
             batch[key] = torch.stack(values)
         elif isinstance(values[0], int):

@@ -8,6 +8,7 @@ LoRA goes in through peft's `inject_adapter_in_model` for every family (DiT has 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from ..blocks import auto_blocks
 from ..config import MHLAConfig, parse_blocks
 from ..conversion import convert, default_config, mhla_modules
 from ..families import family_of, self_attentions, token_grid
+from .checkpoint import partial, publish
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +115,20 @@ def convert_model(transformer, mhla: MHLAConfig):
 
 def save_trained(out: Path, transformer, state_dict: dict, pipe=None) -> None:
     """Write the trained model where `mhla_diffusion.from_pretrained` loads it: the whole
-    pipeline when there is one, the transformer from `state_dict` (gathered under FSDP)."""
+    pipeline when there is one, the transformer from `state_dict` (gathered under FSDP). It is
+    written under a .partial name first, so an interrupted save leaves no half model at `out`."""
     out = Path(out)
+    tmp = partial(out)
+    if tmp.exists():
+        shutil.rmtree(tmp)
     if pipe is None:
-        transformer.save_pretrained(out, state_dict=state_dict)
-        return
-    pipe.register_modules(transformer=transformer)  # model_index.json names its MHLA class: plain diffusers loads MHLA
-    pipe.save_config(out)
-    for name, component in pipe.components.items():
-        if name == "transformer":
-            transformer.save_pretrained(out / name, state_dict=state_dict)
-        elif hasattr(component, "save_pretrained"):
-            component.save_pretrained(out / name)
+        transformer.save_pretrained(tmp, state_dict=state_dict)
+    else:
+        pipe.register_modules(transformer=transformer)  # model_index.json names its MHLA class: plain diffusers loads MHLA
+        pipe.save_config(tmp)
+        for name, component in pipe.components.items():
+            if name == "transformer":
+                transformer.save_pretrained(tmp / name, state_dict=state_dict)
+            elif hasattr(component, "save_pretrained"):
+                component.save_pretrained(tmp / name)
+    publish(out)

@@ -2,13 +2,13 @@
 
 Training from the cache then skips the VAE and the text encoder. Every process of an
 `accelerate launch` encodes its own slice (sample i goes to rank i % world), one
-.safetensors file per sample named by its index; unreadable files are skipped and counted.
+.safetensors file per sample named by its index; unreadable files are skipped and counted
+(data.SkippedFiles: past max_unreadable of them, no cache.json is written and the run fails).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -18,14 +18,13 @@ from torch.utils.data import DataLoader, Dataset
 from .. import persistence
 from ..families import family_by_name
 from . import conditioning
-from .data import CACHE_INDEX, build_dataset, collate
+from .data import CACHE_INDEX, SkippedFiles, build_dataset, collate
 from .families import recipe_for
-
-log = logging.getLogger(__name__)
 
 
 class Readable(Dataset):
-    """Samples `indices` of a raw dataset; an unreadable file yields None instead of a substitute."""
+    """Samples `indices` of a raw dataset; an unreadable file yields {"unreadable": (index, error)}
+    instead of a substitute."""
 
     def __init__(self, dataset, indices):
         self.dataset, self.indices = dataset, list(indices)
@@ -38,14 +37,13 @@ class Readable(Dataset):
         try:
             return {"index": index, **self.dataset.load(index)}
         except Exception as err:  # noqa: BLE001 - whatever the decoder raises, the file is skipped
-            log.warning("skipping unreadable %s: %s", self.dataset.items[index]["file"], err)
-            return None
+            return {"unreadable": (index, str(err))}
 
 
 def collate_readable(samples):
-    good = [s for s in samples if s is not None]
+    good = [s for s in samples if "unreadable" not in s]
     batch = collate(good) if good else {}
-    batch["unreadable"] = len(samples) - len(good)
+    batch["unreadable"] = [s["unreadable"] for s in samples if "unreadable" in s]
     return batch
 
 
@@ -70,9 +68,9 @@ def precompute(config, out_dir, accelerator) -> dict:
         pipe.text_encoder.to(device)
     shard = Readable(dataset, range(accelerator.process_index, len(dataset), accelerator.num_processes))
     loader = DataLoader(shard, batch_size=config.train_batch_size, num_workers=config.num_workers, collate_fn=collate_readable)
-    written, unreadable = 0, 0
+    written, skipped = 0, SkippedFiles(dataset, config.max_unreadable)
     for batch in loader:
-        unreadable += batch.pop("unreadable")
+        skipped.add(batch.pop("unreadable"))
         if not batch:
             continue
         encoded = conditioning.encode_batch(batch, pipe, recipe.text, config.max_sequence_length, device)
@@ -80,10 +78,10 @@ def precompute(config, out_dir, accelerator) -> dict:
             sample = {k: v[j].contiguous().cpu() for k, v in encoded.items()}
             save_file(sample, str(out / f"{index:09d}.safetensors"))
             written += 1
-    counts = accelerator.reduce(torch.tensor([written, unreadable], device=device), "sum").tolist()
+    unreadable = skipped.sync(accelerator)
     info = {"family": family, "pretrained": str(config.pretrained), "resolution": list(config.resolution),
             "video": recipe.video, "latent_shape": conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, recipe.video),
-            "samples": counts[0], "unreadable": counts[1]}
+            "samples": int(accelerator.reduce(torch.tensor(written, device=device), "sum")), "unreadable": unreadable}
     if recipe.video:
         info["num_frames"] = config.num_frames
     if accelerator.is_main_process:

@@ -1,0 +1,40 @@
+"""How a recipe run ends: a user error as one line on stderr and exit 2, Ctrl-C as the command
+that resumes and exit 130, instead of tracebacks around the message.
+
+`--debug` (anywhere in the recipe's arguments) or MHLA_DEBUG=1 keeps the traceback; only the
+main process speaks (cli.main.report_errors).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from ..cli.main import debug_requested, report_errors
+
+DROPPED_ON_RESUME = ("resume", "overwrite_output_dir")  # the resume command must not delete the run
+
+
+def resume_command(script: str, argv: list[str]) -> str:
+    """The command line that continues this run from its latest checkpoint."""
+    kept, i = [], 0
+    while i < len(argv):
+        key = argv[i][2:].partition("=")[0].replace("-", "_") if argv[i].startswith("--") else None
+        takes_value = "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if key in DROPPED_ON_RESUME:
+            i += 2 if takes_value else 1
+            continue
+        kept.append(argv[i])
+        i += 1
+    return shlex.join(["accelerate", "launch", script, *kept, "--resume", "latest"])
+
+
+def run_recipe(main, resumable: bool = False, argv=None) -> int:
+    """`main(argv)` (sys.argv by default) as a process exit status."""
+    script = sys.argv[0]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested("--debug" in argv)
+    argv = [a for a in argv if a != "--debug"]
+    interrupted = f"interrupted; continue with: {resume_command(script, argv)}" if resumable else "interrupted"
+    return report_errors(lambda: main(argv), os.path.basename(script), debug, interrupted)
