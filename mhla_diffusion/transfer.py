@@ -54,11 +54,16 @@ def _map(obj, fn):
     return obj
 
 
+def layer_key(component: str, path: str) -> str:
+    """A self-attention layer's name across the transformers of a pipeline: "transformer_2/blocks.3.attn1"."""
+    return f"{component}/{path}" if component else path
+
+
 @contextlib.contextmanager
-def record_self_attention(models: dict, keep: int, seed: int = 0):
-    """Hooks on every self-attention layer of `models` (by component name) that keep a uniform
-    reservoir of at most `keep` calls per layer. Yields {"component/layer path": [Call, ...]}."""
-    calls, seen, rng, handles = {}, {}, random.Random(seed), []
+def record_self_attention(models: dict, keep: int, seed: int = 0, only=None):
+    """Hooks on the self-attention layers of `models` (by component name; `only`: these layer keys)
+    that keep a uniform reservoir of at most `keep` calls per layer. Yields {layer key: [Call, ...]}."""
+    calls, seen, rngs, handles = {}, {}, {}, []
     cpu = lambda t: t.detach().cpu()  # noqa: E731
 
     for component, model in models.items():
@@ -70,12 +75,15 @@ def record_self_attention(models: dict, keep: int, seed: int = 0):
         handles.append(model.register_forward_pre_hook(publish, with_kwargs=True))
         names = {id(m): n for n, m in model.named_modules()}
         for attn in self_attentions(model):
-            key = f"{component}/{names[id(attn)]}" if component else names[id(attn)]
+            key = layer_key(component, names[id(attn)])
+            if only is not None and key not in only:
+                continue
             calls[key], seen[key] = [], 0
+            rngs[key] = random.Random(f"{seed}/{key}")  # per layer: the same calls whichever layers share a pass
 
             def record(module, args, kwargs, output, key=key, grid=grid):
                 seen[key] += 1
-                slot = len(calls[key]) if len(calls[key]) < keep else rng.randrange(seen[key])
+                slot = len(calls[key]) if len(calls[key]) < keep else rngs[key].randrange(seen[key])
                 if slot < keep:
                     call = Call(_map(args, cpu), _map(kwargs, cpu), cpu(output), grid.grid)
                     calls[key][slot:slot + 1] = [call]
@@ -131,10 +139,13 @@ def fit_layer(attn, processor, calls: list, steps: int, lr: float, projection_lr
 
 
 def transfer(obj, config, settings, num_samples: int, batch_size: int, keep: int, steps: int, lr: float,
-             projection_lr: float | None = None, keep_softmax_worst: int = 0, progress: bool = True) -> list[LayerFit]:
+             projection_lr: float | None = None, keep_softmax_worst: int = 0, layers_per_pass: int = 0,
+             progress: bool = True) -> list[LayerFit]:
     """Convert `obj` (a pipeline, unconverted) with `config` and fit every converted layer to its
     teacher's calls along `num_samples` of the teacher's own trajectories (see evaluation.sampling).
 
+    layers_per_pass: record this many layers per sampling pass (0: all in one pass); the same seeds
+    give the same trajectories each pass, so memory is bounded at the price of sampling again.
     keep_softmax_worst: afterwards, the K layers that fit worst go back to softmax attention.
     Returns one LayerFit per converted layer, in layer order."""
     from .evaluation.sampling import generate
@@ -142,33 +153,41 @@ def transfer(obj, config, settings, num_samples: int, batch_size: int, keep: int
     models = transformers_of(obj)
     device = next(iter(models.values())).device
     configs = {name: resolve_config(m, config) for name, m in models.items()}
-    with record_self_attention(models, keep, settings.seed) as calls:
-        for start in tqdm(range(0, num_samples, batch_size), desc="teacher trajectories", disable=not progress):
-            generate(obj, range(start, min(start + batch_size, num_samples)), settings)
+    todo = {}  # layer key -> (component, attention module), the layers to convert
+    for name, m in models.items():
+        names = {id(a): n for n, a in m.named_modules()}
+        attns = self_attentions(m)
+        for i in configs[name].converted_layers(len(attns)):
+            todo[layer_key(name, names[id(attns[i])])] = (name, attns[i])
+    keys = list(todo)
+    passes = [keys[j:j + (layers_per_pass or len(keys))] for j in range(0, len(keys), layers_per_pass or len(keys))]
     fits, fitted = [], {}
-    todo = [(name, i, attn) for name, m in models.items()
-            for i, attn in enumerate(self_attentions(m)) if i in configs[name].converted_layers(len(self_attentions(m)))]
-    names = {name: {id(a): n for n, a in m.named_modules()} for name, m in models.items()}
-    bar = tqdm(todo, desc="fitting layers", disable=not progress)
-    for name, i, attn in bar:
-        key = f"{name}/{names[name][id(attn)]}" if name else names[name][id(attn)]
-        if not calls[key]:
-            raise ValueError(f"{key} was never called while sampling: nothing to fit it on")
-        proc = new_processor(family_of(models[name]), attn, configs[name], TokenGrid())
-        layer, fit = fit_layer(attn, proc, calls.pop(key), steps, lr, projection_lr, device, seed=settings.seed + i)
-        fit.name = key
-        fits.append(fit)
-        fitted[key] = layer.state_dict()
-        bar.set_postfix(layer=key, before=f"{fit.before:.3g}", after=f"{fit.after:.3g}")
+    bar = tqdm(total=len(keys), desc="fitting layers", disable=not progress)
+    for group in passes:
+        with record_self_attention(models, keep, settings.seed, only=set(group)) as calls:
+            for start in tqdm(range(0, num_samples, batch_size), desc="teacher trajectories", disable=not progress,
+                              leave=False):
+                generate(obj, range(start, min(start + batch_size, num_samples)), settings)
+        for key in group:
+            name, attn = todo[key]
+            if not calls[key]:
+                raise ValueError(f"{key} was never called while sampling: nothing to fit it on")
+            proc = new_processor(family_of(models[name]), attn, configs[name], TokenGrid())
+            layer, fit = fit_layer(attn, proc, calls.pop(key), steps, lr, projection_lr, device,
+                                   seed=settings.seed + keys.index(key))
+            fit.name = key
+            fits.append(fit)
+            fitted[key] = layer.state_dict()
+            bar.update()
+            bar.set_postfix(layer=key, before=f"{fit.before:.3g}", after=f"{fit.after:.3g}")
+    bar.close()
     originals = {name: attn_processors(m) for name, m in models.items()}
     convert(obj, config)
-    for name, m in models.items():
-        for attn in self_attentions(m):
-            key = f"{name}/{names[name][id(attn)]}" if name else names[name][id(attn)]
-            if key in fitted:
-                attn.load_state_dict(fitted[key])  # cast to the model's dtype
+    for key, (name, attn) in todo.items():
+        attn.load_state_dict(fitted[key])  # cast to the model's dtype
     for fit in sorted(fits, key=lambda f: f.after)[len(fits) - keep_softmax_worst:] if keep_softmax_worst else []:
-        name, _, path = fit.name.rpartition("/")
+        name, attn = todo[fit.name]
+        path = {id(a): n for n, a in models[name].named_modules()}[id(attn)]
         procs = attn_processors(models[name])
         procs[f"{path}.processor"] = originals[name][f"{path}.processor"]
         set_attn_processor(models[name], procs)

@@ -51,11 +51,16 @@ def test_transfer_with_projections_and_a_data_driven_hybrid(originals, tmp_path,
     import diffusers
 
     dst = tmp_path / "wan-transfer"
-    assert main(["transfer", str(originals / "wan"), str(dst), "--prompts", str(originals / "prompts.txt"),
-                 "--num-samples", "2", "--batch-size", "2", "--steps", "3", "--height", "16", "--width", "16",
-                 "--num-frames", "5", "--steps-per-layer", "40", "--projection-lr", "1e-3", "--keep-softmax-worst", "1"]) == 0
+    argv = ["transfer", str(originals / "wan"), str(dst), "--prompts", str(originals / "prompts.txt"),
+            "--num-samples", "2", "--batch-size", "2", "--steps", "3", "--height", "16", "--width", "16",
+            "--num-frames", "5", "--steps-per-layer", "40", "--projection-lr", "1e-3", "--keep-softmax-worst", "1",
+            "--keep-calls", "4"]  # of 12 calls per layer (2 samples x 3 steps x 2 CFG branches)
+    assert main([*argv, "--layers-per-pass", "1"]) == 0
     report = json.loads((dst / "transfer.json").read_text())
     assert all(r["after"] < r["before"] for r in report)
+    argv[2] = str(tmp_path / "one-pass")  # all layers recorded in one pass: the same calls, the same fit
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "one-pass" / "transfer.json").read_text()) == report
     best = min(report, key=lambda r: r["after"])["layer"]
     pipe = diffusers.DiffusionPipeline.from_pretrained(dst)  # loads like any converted dir
     assert sorted(md.conversion.mhla_modules(pipe.transformer)) == [f"{best.split('/')[1]}.processor"]

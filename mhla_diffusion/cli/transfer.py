@@ -36,8 +36,8 @@ def run(args) -> int:
 
     if not is_hub_id(args.src) and checkpoint_kind(args.src) != "pipeline":
         raise ValueError(f"{args.src} is a transformer dir; transfer samples the original model, so it needs its pipeline dir")
-    if args.num_samples < 1 or args.steps_per_layer < 0 or args.keep_calls < 1:
-        raise ValueError("--num-samples and --keep-calls must be >= 1 and --steps-per-layer >= 0")
+    if args.num_samples < 1 or args.keep_calls < 1 or args.steps_per_layer < 0 or args.layers_per_pass < 0:
+        raise ValueError("--num-samples and --keep-calls must be >= 1, --steps-per-layer and --layers-per-pass >= 0")
     t0 = time.perf_counter()
     pipe = load(args.src, torch_dtype=args.dtype)
     models = transformers_of(pipe)
@@ -46,7 +46,8 @@ def run(args) -> int:
     pipe.set_progress_bar_config(disable=True)
     config = default_config(next(iter(models.values())), **config_overrides(args))
     fits = transfer(pipe, config, _settings(args, args.guidance_scale), args.num_samples, args.batch_size,
-                    args.keep_calls, args.steps_per_layer, args.lr, args.projection_lr, args.keep_softmax_worst)
+                    args.keep_calls, args.steps_per_layer, args.lr, args.projection_lr, args.keep_softmax_worst,
+                    args.layers_per_pass)
 
     def save(path):
         pipe.save_pretrained(path)
@@ -72,6 +73,9 @@ def register(sub) -> None:
     p.add_argument("--num-samples", type=int, default=8, help="teacher samples whose calls are recorded")
     p.add_argument("--batch-size", type=int, default=4, help="samples per pipeline call")
     p.add_argument("--keep-calls", type=int, default=16, help="recorded calls kept per layer (a uniform sample of all)")
+    p.add_argument("--layers-per-pass", type=int, default=0,
+                   help="record this many layers per sampling pass, to bound memory (0: all layers in one pass); "
+                        "calls are kept on the CPU: about keep-calls x 2 x tokens x width x bytes per layer")
     p.add_argument("--steps-per-layer", type=int, default=200, help="optimizer steps per layer")
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate of the MHLA parameters")
     p.add_argument("--projection-lr", type=float, default=None,
