@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench_model import register_model_command
-from .profiling import gpu_busy_ms, kernel_profile
+from .profiling import kernel_profile
 
 
 def register(subparsers) -> None:
@@ -64,7 +64,7 @@ SHAPES = [
 ]
 
 # Implementations timed, in table order: (label, whether its backward can be replayed from a CUDA graph here).
-# SDPA's backward is timed eagerly, its GPU time taken from the profiler (kernel time summed per call).
+# SDPA's backward is timed eagerly, with the GPU held back while the calls are queued (`queued_gpu_ms`).
 IMPLS = {
     "cudnn": ("cuDNN SDPA", False),
     "fa2": ("FA2 SDPA", False),
@@ -119,12 +119,18 @@ def _copy_bandwidth(do_bench) -> float:
 
 
 def _call(fn, leaves, do, backward: bool):
+    """One call of `fn` on the leaves: without gradients, or forward+backward with the leaves' grads reset."""
     if not backward:
         def call():
             with torch.no_grad():
-                return fn(*leaves)
+                fn(*leaves)
         return call
-    return lambda: fn(*leaves).backward(do)
+
+    def step():
+        fn(*leaves).backward(do)
+        for t in leaves:
+            t.grad = None
+    return step
 
 
 def _time_op(bench, fn, leaves, do, backward: bool) -> float:
@@ -134,28 +140,51 @@ def _time_op(bench, fn, leaves, do, backward: bool) -> float:
     return bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
 
 
+SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles: H200's top clock (a slower clock holds longer)
+
+
+def queued_gpu_ms(call, repeats: int = 3, budget_ms: float = 50.0) -> float:
+    """GPU time per call of eager `call`s without Python launch cost: the stream is held by a sleep kernel
+    while the calls are queued behind it, so they run back to back between two CUDA events (median of
+    `repeats`). For calls that cannot be replayed from a CUDA graph."""
+    import time
+
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - t0) * 1e3  # GPU plus CPU time: bounds the CPU time of queueing one call
+    calls = max(1, min(50, int(budget_ms / once_ms)))
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A call of over 100 ms is GPU-bound: launch cost cannot open gaps in it, so the hold stays short.
+        torch.cuda._sleep(int(min(1.5 * calls * once_ms, 100.0) * SLEEP_CYCLES_PER_MS))
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def time_impl(fn, leaves, do, backward: bool, graph: bool) -> dict:
-    """{"ms": GPU time, "how": "graph" | "busy", "eager_ms": ...}. GPU time is CUDA-graph replay where
-    `graph` and capture works; otherwise the kernel time torch.profiler sums per eager call (idle gaps
-    between kernels not counted). eager_ms is the eager median, Python launch cost included."""
+    """{"ms": GPU time, "how": "graph" | "queued", "eager_ms": ...}. GPU time is CUDA-graph replay where
+    `graph` and capture works, else `queued_gpu_ms`; "queued_ms" is also taken beside a graph time, as a
+    cross-check of the two. eager_ms is the eager median of do_bench, Python launch cost included."""
     from triton.testing import do_bench, do_bench_cudagraph
 
-    out = {"eager_ms": _time_op(do_bench, fn, leaves, do, backward)}
+    out = {"eager_ms": _time_op(do_bench, fn, leaves, do, backward),
+           "queued_ms": queued_gpu_ms(_call(fn, leaves, do, backward))}
     if graph:
         try:
             out.update(ms=_time_op(do_bench_cudagraph, fn, leaves, do, backward), how="graph")
             return out
-        except RuntimeError as err:  # capture refused: fall back to the profiler's GPU time
+        except RuntimeError as err:  # capture refused: the queued eager time stands
             out["graph_error"] = str(err).splitlines()[0]
-    call = _call(fn, leaves, do, backward)
-    if backward:
-        def step():
-            call()
-            for t in leaves:
-                t.grad = None
-    else:
-        step = call
-    out.update(ms=gpu_busy_ms(step), how="busy")
+    out.update(ms=out["queued_ms"], how="queued")
     return out
 
 
@@ -236,8 +265,8 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
     names = [name for name in IMPLS if any(name in r["times"] for r in rows)]
     lines = [
         f"{device}, {dtype}, B = {batch}, GPU time in ms: median of CUDA-graph replay (triton.testing."
-        "do_bench_cudagraph); * = eager calls, GPU time as torch.profiler's kernel time per call (SDPA's "
-        f"backward). Copy bandwidth {bandwidth / 1e12:.2f} TB/s. floor: read q, k, v and write o once (fwd); "
+        "do_bench_cudagraph); * = eager calls queued behind a sleep kernel and timed between CUDA events "
+        f"(SDPA's backward: no Python launch cost either way). Copy bandwidth {bandwidth / 1e12:.2f} TB/s. floor: read q, k, v and write o once (fwd); "
         "plus read q, k, v, dO and write dq, dk, dv (f+b). MHLA eager: median of eager calls (Python launch "
         "cost included). Ratios: MHLA / cuDNN, MHLA / global linear, MHLA as used / MHLA (> 1: slower).",
     ]
@@ -269,7 +298,8 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
 
 
 def _progress(row: dict) -> str:
-    cells = [f"{n} {key} {_cell(t)}" for n, ts in row["times"].items() for key, t in ts.items()]
+    cells = [f"{n} {key} {_cell(t)} (queued {t.get('queued_ms', math.nan):.3f}, eager {t.get('eager_ms', math.nan):.3f})"
+             for n, ts in row["times"].items() for key, t in ts.items()]
     return f"[{row['shape']}] " + ", ".join(cells)
 
 
