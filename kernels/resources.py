@@ -49,6 +49,8 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False)),
     "grad dk dv": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
+    "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
+        DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
 }
 
 
@@ -96,7 +98,7 @@ def report() -> dict:
     """Usage of each kernel in KERNELS at its bf16 128 x 128 configuration."""
     rows = {}
     for name, (kernel, entry, constexprs) in KERNELS.items():
-        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], WAN_BLOCK_TOKENS)
+        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], WAN_BLOCK_TOKENS, constexprs["ROPE"])
         compiled = compile_for_hopper(kernel, {**constexprs, **TILE, **BF16, "BLOCK_N": cfg["block_n"]},
                                       mhla._launch(cfg))
         rows[name] = usage(compiled)
