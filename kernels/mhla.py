@@ -141,20 +141,35 @@ def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d,
         fx = tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
     rx = fx
     if ROPE:
-        cos = _load_rows(cos_ptr, n, scn, mask_n, d, mask_d, scd)
-        sin = _load_rows(sin_ptr, n, scn, mask_n, d, mask_d, scd)
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)[None, :]
-        rx = fx * cos + sign * _swap_pairs(fx, BN, BD) * sin
+        cos, sin = _rope_tables(cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d)
+        rx = _rotate(fx, cos, sin, d, BN, BD)
     return fx, rx
 
 
 @triton.jit
-def _rope_t(g, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BN: tl.constexpr, BD: tl.constexpr):
+def _rope_tables(cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d):
+    return _load_rows(cos_ptr, n, scn, mask_n, d, mask_d, scd), _load_rows(sin_ptr, n, scn, mask_n, d, mask_d, scd)
+
+
+@triton.jit
+def _rotate(x, cos, sin, d, BN: tl.constexpr, BD: tl.constexpr):
+    """The RoPE rotation of a feature tile, from its (BN, BD) cos and sin tiles."""
+    sign = tl.where(d % 2 == 0, -1.0, 1.0)[None, :]
+    return x * cos + sign * _swap_pairs(x, BN, BD) * sin
+
+
+@triton.jit
+def _rotate_t(g, cos, sin, d, BN: tl.constexpr, BD: tl.constexpr):
     """Transpose of the RoPE rotation, applied to a gradient tile."""
-    cos = _load_rows(cos_ptr, n, scn, mask_n, d, mask_d, scd)
-    sin = _load_rows(sin_ptr, n, scn, mask_n, d, mask_d, scd)
     sign = tl.where(d % 2 == 0, -1.0, 1.0)[None, :]
     return g * cos - sign * _swap_pairs(g * sin, BN, BD)
+
+
+@triton.jit
+def _rope_t(g, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BN: tl.constexpr, BD: tl.constexpr):
+    """`_rotate_t` with the tables loaded here."""
+    cos, sin = _rope_tables(cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d)
+    return _rotate_t(g, cos, sin, d, BN, BD)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -299,7 +314,7 @@ def _grad_kernel(
             tl.store(rden_ptr + bh * N + n, rden, mask=mask_n)
             tl.store(c_ptr + bh * N + n, c, mask=mask_n)
             p = p * rden[:, None]
-        if ROPE:
+        if ROPE:  # the tables are loaded again here: loading them once per tile measured 1-2 % slower (NOTES)
             p = _rope_t(p, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D)
         if USE_VEC:
             if STATS:
@@ -444,17 +459,23 @@ CONFIG = {
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "dense": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
 }
+# Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
+# memory per token tile than the plain kernel).
+# grad: 16 warps, 1 stage (H200, 2026-12-01: the dk/dv kernel spilled 1,240 bytes at 4 warps and 2 stages; op f+b as
+# Wan uses it 7.31 -> 6.62 ms at 14B 720p with 8 warps, 1 stage, 6.59 -> 6.53 with 16; kernels/NOTES.md, fifth pass).
+ROPE_CONFIG = {"summary": {}, "output": {}, "grad": {"num_warps": 16, "num_stages": 1}}
 
 
-def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int) -> dict:
-    """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128); for fp32 operands or D tiles over 128, a
-    small unpipelined tile on 8 warps without a register cap, so shared memory and registers suffice.
+def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False) -> dict:
+    """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; with `rope`, ROPE_CONFIG's overrides on top);
+    for fp32 operands or D tiles over 128, a small unpipelined tile on 8 warps without a register cap, so
+    shared memory and registers suffice.
 
     A register cap fits two programs of a 128-wide tile per SM; it pays only when each program walks
     many token tiles (H200: Wan, 14B, SANA-like D = 112 gain; narrower D tiles, and DiT-XL at <= 64
     tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles.
     """
-    cfg = dict(CONFIG[kernel])
+    cfg = {**CONFIG[kernel], **(ROPE_CONFIG.get(kernel, {}) if rope else {})}
     if dtype != torch.bfloat16 or block_d > MAX_TILE:
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
     elif block_d < MAX_TILE or max_len < 4 * cfg["block_n"]:
@@ -485,7 +506,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     z[m, bh] = sum phi(x) * z_weight in fp32. Programs that split a block add into fp32 with atomics;
     S is rounded once after."""
     block_d = min(_pow2(g.D), MAX_TILE)
-    cfg = _config("summary", x.dtype, block_d, g.max_len)
+    cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
     block_dv = min(_pow2(g.DV), cfg["max_dv"])
     d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * d_tiles * dv_tiles, cfg["programs"])
@@ -493,7 +514,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     state = state_dtype(x.dtype)
     alloc = torch.zeros if splits > 1 else torch.empty
     s = alloc((g.M, g.BH, g.D, g.DV), device=x.device, dtype=torch.float32 if splits > 1 else state)
-    z = alloc((g.M, g.BH, g.D), device=x.device, dtype=torch.float32)
+    z = (alloc if with_z else torch.zeros)((g.M, g.BH, g.D), device=x.device, dtype=torch.float32)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
     _summary_kernel[(g.BH, g.M * d_tiles * dv_tiles, splits)](
@@ -518,7 +539,7 @@ def _full_d_tiles(g: Geometry):
 def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, out_dtype):
     """o = rope(phi(q)) S~_b [/ (phi(q) . z~_b + eps)], written in raster order."""
     block_d, block_dv, dv_tiles = _full_d_tiles(g)
-    cfg = _config("output", q.dtype, block_d, g.max_len)
+    cfg = _config("output", q.dtype, block_d, g.max_len, rope is not None)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * dv_tiles, cfg["programs"])
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
@@ -561,7 +582,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
     Returns (dx, dy or None, rden or None, c or None).
     """
     block_d, block_dv, dv_tiles = _full_d_tiles(g)
-    cfg = _config("grad", x.dtype, block_d, g.max_len)
+    cfg = _config("grad", x.dtype, block_d, g.max_len, rope is not None)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M, cfg["programs"])
     dx = torch.empty((g.B, g.N, g.heads, g.D), device=x.device, dtype=x.dtype)
     dy = torch.empty((g.B, g.N, g.heads, g.DV), device=x.device, dtype=y.dtype) if with_dy else dx
@@ -630,15 +651,16 @@ def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
 
 def mhla_forward(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
     """Output and the per-block state (S, z) the backward needs."""
-    s, z = block_summaries(k, v, rope, g, elu=elu, with_z=True)
-    o = block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype), rope, g, elu=elu,
-                     normalize=normalize, eps=eps, out_dtype=v.dtype)
+    s, z = block_summaries(k, v, rope, g, elu=elu, with_z=normalize)  # unnormalized: z stays zeros, unmixed
+    o = block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype) if normalize else z, rope, g,
+                     elu=elu, normalize=normalize, eps=eps, out_dtype=v.dtype)
     return o, s, z
 
 
 def mhla_backward(do, q, k, v, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
     """Gradients (dq, dk, dv, dmix) from the inputs and the saved per-block state."""
-    mixed_s, mixed_z = mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype)
+    # unnormalized: z (zeros) and dz~ only stand in for the kernels' unused normalizer vectors, and are not mixed
+    mixed_s, mixed_z = mix_blocks(mix, s, q.dtype), (mix_blocks(mix, z, q.dtype) if normalize else z)
     dq, _, rden, c = block_grad(q, do, mixed_s, mixed_z, rope, g, elu=elu, stats=normalize, use_vec=normalize,
                                 with_dy=False, eps=eps)
     ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
@@ -646,7 +668,8 @@ def mhla_backward(do, q, k, v, mix, s, z, rope, g: Geometry, *, elu: bool, norma
     if normalize:
         dmix += block_gram(dz_mixed, z, q.dtype)
     mix_t = mix.t()
-    dk, dv, _, _ = block_grad(k, v, mix_blocks(mix_t, ds_mixed, q.dtype), mix_blocks(mix_t, dz_mixed, q.dtype), rope,
+    dz = mix_blocks(mix_t, dz_mixed, q.dtype) if normalize else dz_mixed
+    dk, dv, _, _ = block_grad(k, v, mix_blocks(mix_t, ds_mixed, q.dtype), dz, rope,
                               g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
     return dq, dk, dv, dmix.to(mix.dtype)
 

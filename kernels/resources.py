@@ -2,8 +2,9 @@
 
     python -c "from mhla_diffusion.kernels.resources import main; main()" [--sass DIR]
 
-For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`), specialized as the
-JIT specializes a Wan2.1 call (pointers, strides and head dims divisible by 16), prints registers per
+For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`, `mhla.ROPE_CONFIG` for RoPE
+rows), specialized as the JIT specializes a Wan2.1 call (pointers, strides, RoPE tables' strides included, and
+head dims divisible by 16; bf16 summaries and RoPE tables, as an all-bf16 call passes them), prints registers per
 thread, stack (spilled) bytes, shared memory, and counts of the SASS instructions that decide speed:
 tensor-core ops (HGMMA), async copies (LDGSTS), 16-byte and scalar 16-bit global loads, local-memory
 traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
@@ -28,12 +29,13 @@ from triton.compiler import ASTSource
 from . import mhla
 
 HOPPER = GPUTarget("cuda", 90, 32)
-FP32_POINTERS = {"cos_ptr", "sin_ptr", "ys_ptr", "zw_ptr", "s_ptr", "z_ptr", "mat_ptr", "vec_ptr", "rden_ptr", "c_ptr",
-                 "mix_ptr"}
+# Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars, mixing matrix). Summaries S, S~
+# (state_dtype) and, since op._table, RoPE tables are bf16 for bf16 inputs.
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr"}
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
-DIVISIBLE = re.compile(r"^(s(?!c)[a-z]+[bnh]|D|DV)$")
+DIVISIBLE = re.compile(r"^(s[a-z]*[bnh]|D|DV)$")
 INSTRUCTIONS = ("HGMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
-BF16 = dict(DOT=tl.bfloat16, PRECISION="tf32", scd=1)  # RoPE tables: fp32, unit stride along D (JIT: constant 1)
+BF16 = dict(DOT=tl.bfloat16, PRECISION="tf32", scd=1)  # RoPE tables: unit stride along D (JIT: constant 1)
 TILE = dict(BLOCK_D=128, BLOCK_DV=128)
 WAN_BLOCK_TOKENS = 7 * 8 * 11  # longest block of Wan2.1-1.3B 480p: grid (21, 30, 52) cut (3, 4, 5)
 # name: (kernel, CONFIG entry, constexprs besides the config's block_n)
@@ -49,6 +51,8 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False)),
     "grad dk dv": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
+    "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
+        DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
 }
 
 
@@ -96,7 +100,7 @@ def report() -> dict:
     """Usage of each kernel in KERNELS at its bf16 128 x 128 configuration."""
     rows = {}
     for name, (kernel, entry, constexprs) in KERNELS.items():
-        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], WAN_BLOCK_TOKENS)
+        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], WAN_BLOCK_TOKENS, constexprs["ROPE"])
         compiled = compile_for_hopper(kernel, {**constexprs, **TILE, **BF16, "BLOCK_N": cfg["block_n"]},
                                       mhla._launch(cfg))
         rows[name] = usage(compiled)

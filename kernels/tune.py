@@ -1,6 +1,6 @@
 """Developer tool: where the time of one MHLA call goes, stage by stage, and launch-config sweeps.
 
-    python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram]
+    python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram] [--rope-sweep]
 
 Prints median ms (triton.testing.do_bench) of each stage of forward and backward at the
 Wan2.1 shapes; with --tune KERNEL..., first a coordinate descent over SWEEP for those kernels'
@@ -63,13 +63,18 @@ def stages(name: str) -> dict:
     return {key: do_bench(fn, return_mode="median") for key, fn in timed.items()}
 
 
-def op_times(name: str) -> tuple[float, float]:
+def op_times(name: str, as_used: bool = False) -> tuple[float, float]:
     """GPU time (CUDA graph replay) of the whole op, forward and forward+backward: eager calls at these
-    sizes also carry Python launch cost, which varies from host to host."""
+    sizes also carry Python launch cost, which varies from host to host. `as_used`: as Wan uses it (fp32
+    RoPE tables (1, N, 1, D) on the numerator, no normalizer)."""
     heads, d, grid, blocks = SHAPES[name]
     q, k, v, do, mix = _inputs(heads, d, grid, blocks)
     leaves = [t.requires_grad_() for t in (q, k, v, mix)]
-    fn = lambda: mhla_attention_triton(*leaves, grid, blocks)  # noqa: E731
+    kw = {}
+    if as_used:
+        angles = torch.rand(1, q.shape[1], 1, d // 2, device="cuda").repeat_interleave(2, dim=-1) * 6.28
+        kw = dict(rope=(angles.cos(), angles.sin()), normalize=False)
+    fn = lambda: mhla_attention_triton(*leaves, grid, blocks, **kw)  # noqa: E731
     with torch.no_grad():
         fwd = do_bench_cudagraph(fn, return_mode="median")
     return fwd, do_bench_cudagraph(lambda: fn().backward(do), grad_to_none=leaves, return_mode="median")
@@ -102,11 +107,51 @@ def tune(kernel: str, shape: str) -> None:
     print(f"tune {kernel}: {mhla.CONFIG[kernel]} {best:.4f} ms")
 
 
+# Launch-option overrides tried for the RoPE variants (mhla.ROPE_CONFIG), one kernel at a time.
+ROPE_CANDIDATES = {
+    # 2026-12-01, first sweep (H200): {} (4 warps, 2 stages), {8, 1} (kept), {8, 2}, {block_n 32, 8, 2}; summary
+    # {}, {stages 2}, {block_n 16}, {stages 2, no register cap}: none beat {}. Second sweep, below: grad {16, 1} kept
+    # (~1 % over {8, 1}), summary {} kept (kernels/NOTES.md, fifth pass).
+    "grad": ({"num_warps": 8, "num_stages": 1}, {"num_warps": 16, "num_stages": 1}, {"num_warps": 16, "num_stages": 2}),
+    "summary": ({}, {"num_warps": 16, "maxnreg": None}),
+}
+
+
+def rope_sweep(shapes) -> None:
+    """Whole-op GPU time as Wan uses it (fwd, f+b) for each ROPE_CANDIDATES entry, kernel by kernel (summed
+    f+b over `shapes` decides, the best stays in mhla.ROPE_CONFIG); the plain op beside it, and the first
+    candidate again at the end (drift within the call)."""
+    for kernel, candidates in ROPE_CANDIDATES.items():
+        best = None
+        for cand in candidates:
+            mhla.ROPE_CONFIG[kernel] = dict(cand)
+            try:
+                times = {name: op_times(name, as_used=True) for name in shapes}
+            except Exception as err:  # a config the compiler rejects
+                print(f"rope {kernel} {cand}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                continue
+            cost = sum(fb for _, fb in times.values())
+            print(f"rope {kernel} {cand}: " + ", ".join(f"{n} {f:.4f} / {fb:.4f}" for n, (f, fb) in times.items()),
+                  flush=True)
+            if best is None or cost < best[0]:
+                best = (cost, cand)
+        mhla.ROPE_CONFIG[kernel] = dict(best[1])
+        print(f"rope {kernel}: keep {best[1]}", flush=True)
+    print("rope final " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=True)}" for n in shapes))
+    print("plain      " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n)}" for n in shapes))
+    for kernel in ROPE_CANDIDATES:
+        mhla.ROPE_CONFIG[kernel] = {}
+    print("rope none  " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=True)}" for n in shapes), flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", nargs="*", choices=list(mhla.CONFIG), help="kernels whose config to tune")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rope-sweep", action="store_true", help="only sweep the RoPE variants' launch options")
     args = parser.parse_args(argv)
+    if args.rope_sweep:
+        return rope_sweep(args.shapes)
     for kernel in args.tune or ():
         tune(kernel, args.shapes[0])
     for name in args.shapes:

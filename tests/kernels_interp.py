@@ -175,6 +175,9 @@ CASES = {
     "elu rope unnormalized Dv!=D": lambda: op_case((1, 9, 11), (1, 2, 3), 3, 24, 40, batch=1, normalize=False,
                                                    feature="elu", rope=True),
     "rope normalized split programs": lambda: op_case((3, 4, 5), (2, 3, 2), 2, 16, 8, rope=True, launch=SPLIT),
+    # as Wan uses it (RoPE, no normalizer: z neither accumulated nor mixed), summaries split over programs
+    "rope unnormalized split programs": lambda: op_case((3, 4, 5), (2, 3, 2), 2, 16, 8, rope=True, normalize=False,
+                                                        launch=SPLIT),
     "D=136 Dv=72 (tiled D and Dv)": lambda: op_case((2, 3, 5), (1, 2, 2), 1, 136, 72, batch=1, feature="elu"),
     "fp16 rope": lambda: op_case((2, 5, 7), (1, 2, 3), 2, 16, 16, dtype=torch.float16, rope=True),
     # two 256-token blocks of N(0, 100^2) inputs: block sums reach ~1e5, beyond fp16 range (summaries stay fp32)

@@ -36,3 +36,47 @@ def test_profile_report_names_the_ops_of_a_call():
     a = torch.randn(64, 64)
     report = kernel_profile(lambda: (a @ a).softmax(-1), calls=2)
     assert report.startswith("per call: wall ") and "aten::mm" in report and "aten::softmax" in report
+
+
+@pytest.mark.parametrize("family", ["wan", "dit"])
+def test_self_attention_removed_runs_the_block_without_attention(family, monkeypatch):
+    """The bound row's processors: no MHLA op and no self-attention SDPA (cross-attention keeps its own),
+    the layer's projections still run, and the model's output keeps its shape."""
+    import torch
+
+    from mhla_diffusion import processors
+    from mhla_diffusion.cli.bench_model import REMOVED, model_inputs, variant_processors
+    from mhla_diffusion.conversion import attn_processors, set_attn_processor
+    from mhla_diffusion.zoo import build_transformer
+
+    model = build_transformer(family)
+    original = attn_processors(model)
+    latent = (16, 3, 8, 8) if family == "wan" else (4, 8, 8)
+    if family == "wan":
+        kw = dict(hidden_states=torch.randn(1, *latent), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 4, 16))
+    else:
+        kw = model_inputs("dit-xl-2", latent, 1, "cpu", torch.float32)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    with torch.no_grad():
+        ref = model(**kw, return_dict=False)[0]
+        sdpa_original = len(calls)
+        projected = []
+        hook = model.get_submodule("blocks.0.attn1.to_v" if family == "wan" else "transformer_blocks.0.attn1.to_v")
+        handle = hook.register_forward_hook(lambda *a: projected.append(1))
+        set_attn_processor(model, variant_processors(model, REMOVED, original))
+        monkeypatch.setattr(processors, "mhla_attention", lambda *a, **k: pytest.fail("attention computed"))
+        del calls[:]
+        out = model(**kw, return_dict=False)[0]
+        handle.remove()
+    layers = len(model.blocks if family == "wan" else model.transformer_blocks)
+    assert sdpa_original == (2 * layers if family == "wan" else layers)  # Wan: self + cross; DiT: self only
+    assert len(calls) == sdpa_original - layers and projected == [1]
+    assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.allclose(out, ref)

@@ -26,10 +26,12 @@ def register(subparsers) -> None:
 def register_op_command(commands) -> None:
     op = commands.add_parser(
         "op",
-        help="time MHLA (Triton, PyTorch reference) against SDPA and the memory floor",
-        description="Forward and forward+backward times (median, triton.testing.do_bench) of the attention op.",
+        help="time MHLA (Triton) against cuDNN and FlashAttention-2 SDPA, global linear attention and the memory floor",
+        description="Forward and forward+backward GPU times of the attention op and its peers, in one process: "
+                    "CUDA-graph replay where capture works, eager otherwise.",
     )
     op.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="subset of shapes (default: all)")
+    op.add_argument("--impls", nargs="+", choices=list(IMPLS), help="subset of implementations (default: all)")
     op.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     op.add_argument("--batch", type=int, default=1)
     op.add_argument("--check", action="store_true", help="first check Triton against the fp64 reference at real sizes")
@@ -45,8 +47,8 @@ class Shape:
     d: int
     grid: tuple
     blocks: object = "auto"
-    rope: bool = False  # Wan's 3D RoPE tables (1, N, 1, D), fp32, rotating the numerator
-    normalize: bool = True
+    # Also time MHLA as Wan uses it: Wan's 3D RoPE tables (1, N, 1, D), fp32, on the numerator, no normalizer.
+    as_used: bool = False
 
 
 SHAPES = [
@@ -57,10 +59,55 @@ SHAPES = [
     Shape("SANA-1.6B 4K", 70, 32, (1, 128, 128)),
     Shape("SANA-1.6B-like 4K 20x112", 20, 112, (1, 128, 128)),
     Shape("DiT-S/2 4096px", 6, 64, (1, 256, 256)),
-    Shape("Wan2.1-1.3B 480p", 12, 128, (21, 30, 52), (3, 4, 5)),
-    Shape("Wan2.1-1.3B 480p RoPE unnorm", 12, 128, (21, 30, 52), (3, 4, 5), rope=True, normalize=False),
-    Shape("Wan2.1-14B 720p", 40, 128, (21, 45, 80), (3, 5, 8)),
+    Shape("Wan2.1-1.3B 480p", 12, 128, (21, 30, 52), (3, 4, 5), as_used=True),
+    Shape("Wan2.1-14B 720p", 40, 128, (21, 45, 80), (3, 5, 8), as_used=True),
 ]
+
+# Implementations timed, in table order: (label, whether its backward can be replayed from a CUDA graph here).
+# SDPA's backward is timed eagerly, with the GPU held back while the calls are queued (`queued_gpu_ms`).
+IMPLS = {
+    "cudnn": ("cuDNN SDPA", False),
+    "fa2": ("FA2 SDPA", False),
+    "linear": ("global linear", True),
+    "mhla": ("MHLA", True),
+    "mhla_used": ("MHLA as used", True),
+}
+
+
+def global_linear(q, k, v, mix=None):
+    """Plain linear attention over all tokens, relu(q) @ (relu(k)^T v), two einsums, no normalizer: the
+    cheapest linear attention there is (SANA's own is this), one summary per head."""
+    kv = torch.einsum("bnhd,bnhe->bhde", torch.relu(k), v)
+    return torch.einsum("bnhd,bhde->bnhe", torch.relu(q), kv)
+
+
+def _sdpa(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = getattr(SDPBackend, backend)
+
+    def sdpa(q, k, v, mix=None):
+        with sdpa_kernel(chosen):
+            out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                   v.transpose(1, 2))
+        return out.transpose(1, 2)
+
+    return sdpa
+
+
+def implementations(shape: Shape, blocks, rope) -> dict:
+    """name -> fn(q, k, v, mix) for every implementation that applies to this shape (peers ignore mix)."""
+    from ..ops import mhla_attention
+
+    def mhla(rope, normalize):
+        return lambda q, k, v, mix: mhla_attention(q, k, v, mix, shape.grid, blocks, rope=rope, normalize=normalize,
+                                              backend="triton")
+
+    fns = {"cudnn": _sdpa("CUDNN_ATTENTION"), "fa2": _sdpa("FLASH_ATTENTION"), "linear": global_linear,
+           "mhla": mhla(None, True)}
+    if shape.as_used:
+        fns["mhla_used"] = mhla(rope, False)
+    return fns
 
 
 def _copy_bandwidth(do_bench) -> float:
@@ -71,6 +118,21 @@ def _copy_bandwidth(do_bench) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+def _call(fn, leaves, do, backward: bool):
+    """One call of `fn` on the leaves: without gradients, or forward+backward with the leaves' grads reset."""
+    if not backward:
+        def call():
+            with torch.no_grad():
+                fn(*leaves)
+        return call
+
+    def step():
+        fn(*leaves).backward(do)
+        for t in leaves:
+            t.grad = None
+    return step
+
+
 def _time_op(bench, fn, leaves, do, backward: bool) -> float:
     if not backward:
         with torch.no_grad():
@@ -78,85 +140,167 @@ def _time_op(bench, fn, leaves, do, backward: bool) -> float:
     return bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
 
 
-def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, profile: bool = False) -> dict:
-    """Eager times of SDPA, the reference and Triton; Triton also replayed from a CUDA graph (GPU time
-    alone, as under torch.compile with CUDA graphs), since eager calls can be bound by Python launch cost."""
+SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles: H200's top clock (a slower clock holds longer)
+
+
+def queued_gpu_ms(call, repeats: int = 3, budget_ms: float = 50.0) -> float:
+    """GPU time per call of eager `call`s without Python launch cost: the stream is held by a sleep kernel
+    while the calls are queued behind it, so they run back to back between two CUDA events (median of
+    `repeats`). For calls that cannot be replayed from a CUDA graph."""
+    import time
+
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    once_ms = (time.perf_counter() - t0) * 1e3  # GPU plus CPU time: bounds the CPU time of queueing one call
+    calls = max(1, min(50, int(budget_ms / once_ms)))
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # A call of over 100 ms is GPU-bound: launch cost cannot open gaps in it, so the hold stays short.
+        torch.cuda._sleep(int(min(1.5 * calls * once_ms, 100.0) * SLEEP_CYCLES_PER_MS))
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def time_impl(fn, leaves, do, backward: bool, graph: bool) -> dict:
+    """{"ms": GPU time, "how": "graph" | "queued", "eager_ms": ...}. GPU time is CUDA-graph replay where
+    `graph` and capture works, else `queued_gpu_ms`; "queued_ms" is also taken beside a graph time, as a
+    cross-check of the two. eager_ms is the eager median of do_bench, Python launch cost included."""
     from triton.testing import do_bench, do_bench_cudagraph
+
+    out = {"eager_ms": _time_op(do_bench, fn, leaves, do, backward),
+           "queued_ms": queued_gpu_ms(_call(fn, leaves, do, backward))}
+    if graph:
+        try:
+            out.update(ms=_time_op(do_bench_cudagraph, fn, leaves, do, backward), how="graph")
+            return out
+        except RuntimeError as err:  # capture refused: the queued eager time stands
+            out["graph_error"] = str(err).splitlines()[0]
+    out.update(ms=out["queued_ms"], how="queued")
+    return out
+
+
+def ratios(row: dict) -> dict:
+    """MHLA against cuDNN and global linear attention, and MHLA as used against plain MHLA, per pass
+    (> 1: MHLA slower). Missing or failed timings give NaN."""
+    def ms(name, key):
+        return row.get("times", {}).get(name, {}).get(key, {}).get("ms", math.nan)
+
+    out = {}
+    for key in ("fwd", "fwdbwd"):
+        mhla = ms("mhla", key)
+        out[f"mhla_vs_cudnn_{key}"] = mhla / ms("cudnn", key)
+        out[f"mhla_vs_linear_{key}"] = mhla / ms("linear", key)
+        out[f"used_vs_mhla_{key}"] = ms("mhla_used", key) / mhla
+    return out
+
+
+def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, profile: bool = False,
+                impls=None) -> dict:
+    """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs."""
+    from triton.testing import do_bench_cudagraph
 
     from ..blocks import locality_mix, resolve_blocks
     from ..kernels import op
-    from ..ops import mhla_attention
 
     blocks = resolve_blocks(shape.grid, shape.blocks)
     n, m = math.prod(shape.grid), math.prod(blocks)
     q, k, v, do = (torch.randn(batch, n, shape.heads, shape.d, device="cuda", dtype=dtype) for _ in range(4))
     mix = locality_mix(blocks).float().cuda()
     angles = torch.rand(1, n, 1, shape.d // 2, device="cuda").repeat_interleave(2, dim=-1) * 6.28
-    rope = (angles.cos(), angles.sin()) if shape.rope else None
+    rope = (angles.cos(), angles.sin())
     row_bytes = q.numel() * q.element_size()
     leaves = [t.requires_grad_() for t in (q, k, v, mix)]
-
-    def sdpa(q, k, v, mix):
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return out.transpose(1, 2)
-
-    def mhla(backend):
-        return lambda q, k, v, mix: mhla_attention(q, k, v, mix, shape.grid, blocks, rope=rope, normalize=shape.normalize,
-                                                     backend=backend)
-
     row = {"shape": shape.name, "N": n, "heads": shape.heads, "D": shape.d, "blocks": list(blocks), "M": m,
            "blocks_chosen": "auto" if shape.blocks == "auto" else "fixed",
-           "floor_fwd_ms": 4 * row_bytes / bandwidth * 1e3, "floor_fwdbwd_ms": 11 * row_bytes / bandwidth * 1e3}
-    for name, fn in (("sdpa", sdpa), ("torch", mhla("torch")), ("triton", mhla("triton"))):
+           "floor_fwd_ms": 4 * row_bytes / bandwidth * 1e3, "floor_fwdbwd_ms": 11 * row_bytes / bandwidth * 1e3,
+           "times": {}}
+    fns = implementations(shape, blocks, rope)
+    for name, fn in fns.items():
+        if impls and name not in impls:
+            continue
+        row["times"][name] = {}
         for backward, key in ((False, "fwd"), (True, "fwdbwd")):
-            row[f"{name}_{key}_ms"] = _time_op(do_bench, fn, leaves, do, backward)
+            try:
+                row["times"][name][key] = time_impl(fn, leaves, do, backward, graph=not backward or IMPLS[name][1])
+            except RuntimeError as err:  # e.g. no cuDNN kernel for this shape: say so, time the rest
+                row["times"][name][key] = {"ms": math.nan, "error": str(err).splitlines()[0]}
             torch.cuda.empty_cache()
-    for backward, key in ((False, "fwd"), (True, "fwdbwd")):
-        try:
-            row[f"triton_graph_{key}_ms"] = _time_op(do_bench_cudagraph, mhla("triton"), leaves, do, backward)
-        except RuntimeError as err:  # capture refused: report it, keep the eager numbers
-            row[f"triton_graph_{key}_ms"], row["graph_error"] = math.nan, str(err).splitlines()[0]
-        row[f"triton_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_{key}_ms"]
-        row[f"triton_graph_{key}_floor_frac"] = row[f"floor_{key}_ms"] / row[f"triton_graph_{key}_ms"]
-    if n <= op.DENSE_MAX_TOKENS:  # no-grad forwards here take the dense kernel: time the linear path beside it
-        cos, sin = rope if rope else (None, None)
-
+    row.update(ratios(row))
+    if n <= op.DENSE_MAX_TOKENS and (not impls or "mhla" in impls):
+        # no-grad forwards here take the dense kernel: time the linear path beside it
         def linear(q, k, v, mix):
-            return op.mhla_fwd(q, k, v, mix, cos, sin, list(shape.grid), list(blocks), shape.normalize, 1e-6, "relu")[0]
+            return op.mhla_fwd(q, k, v, mix, None, None, list(shape.grid), list(blocks), True, 1e-6, "relu")[0]
 
         row["linear_graph_fwd_ms"] = _time_op(do_bench_cudagraph, linear, leaves, do, False)
     if profile:
-        for backward, what in ((False, "forward"), (True, "forward+backward")):
-            fn = mhla("triton")
-            call = (lambda: fn(*leaves).backward(do)) if backward else (lambda: fn(*[t.detach() for t in leaves]))
-            print(f"--- profile: {shape.name}, Triton {what} ---\n{kernel_profile(call)}", flush=True)
+        for name in ("mhla", "mhla_used"):
+            if name not in fns or (impls and name not in impls):
+                continue
+            for backward, what in ((False, "forward"), (True, "forward+backward")):
+                print(f"--- profile: {shape.name}, {IMPLS[name][0]}, {what} ---\n"
+                      f"{kernel_profile(_call(fns[name], leaves, do, backward))}", flush=True)
     return row
 
 
+def _cell(t: dict | None) -> str:
+    if not t or math.isnan(t.get("ms", math.nan)):
+        return "-" if not t else "fail"
+    return f"{t['ms']:.3f}" + ("" if t["how"] == "graph" else "*")
+
+
+def _ratio(x: float) -> str:
+    return "" if math.isnan(x) else f"{x:.2f}x"
+
+
 def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: int) -> str:
+    names = [name for name in IMPLS if any(name in r["times"] for r in rows)]
     lines = [
-        f"{device}, {dtype}, B = {batch}, medians of triton.testing.do_bench in ms (graph: do_bench_cudagraph, "
-        f"GPU time without Python launch cost); copy bandwidth {bandwidth / 1e12:.2f} TB/s. floor: read q, k, v "
-        "and write o once (fwd); plus read q, k, v, dO and write dq, dk, dv (f+b). %: floor / Triton (eager, graph).",
-        "",
-        "| shape | N | heads x D | blocks (M) | floor fwd | SDPA fwd | torch fwd | Triton fwd | graph | % "
-        "| floor f+b | SDPA f+b | torch f+b | Triton f+b | graph | % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"{device}, {dtype}, B = {batch}, GPU time in ms: median of CUDA-graph replay (triton.testing."
+        "do_bench_cudagraph); * = eager calls queued behind a sleep kernel and timed between CUDA events "
+        f"(SDPA's backward: no Python launch cost either way). Copy bandwidth {bandwidth / 1e12:.2f} TB/s. floor: read q, k, v and write o once (fwd); "
+        "plus read q, k, v, dO and write dq, dk, dv (f+b). MHLA eager: median of eager calls (Python launch "
+        "cost included). Ratios: MHLA / cuDNN, MHLA / global linear, MHLA as used / MHLA (> 1: slower).",
     ]
-    for r in rows:
-        blocks = f"{'x'.join(map(str, r['blocks']))} ({r['M']}, {r['blocks_chosen']})"
-        cells = [r["shape"], f"{r['N']:,}", f"{r['heads']} x {r['D']}", blocks]
-        for key in ("fwd", "fwdbwd"):
-            cells += [f"{r[f'{name}_{key}_ms']:.3f}" for name in ("floor", "sdpa", "torch", "triton", "triton_graph")]
-            cells.append(f"{100 * r[f'triton_{key}_floor_frac']:.0f}, {100 * r[f'triton_graph_{key}_floor_frac']:.0f}")
-        lines.append("| " + " | ".join(cells) + " |")
+    for key, what in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
+        head = ["shape", "N", "heads x D", "blocks (M)", "floor"] + [IMPLS[n][0] for n in names]
+        if "mhla" in names:
+            head += ["MHLA eager", "/ cuDNN", "/ linear", "as used / MHLA"]
+        lines += ["", f"{what}:", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+        for r in rows:
+            blocks = f"{'x'.join(map(str, r['blocks']))} ({r['M']}, {r['blocks_chosen']})"
+            cells = [r["shape"], f"{r['N']:,}", f"{r['heads']} x {r['D']}", blocks, f"{r[f'floor_{key}_ms']:.3f}"]
+            cells += [_cell(r["times"].get(n, {}).get(key)) for n in names]
+            if "mhla" in names:
+                eager = r["times"].get("mhla", {}).get(key, {}).get("eager_ms", math.nan)
+                cells += [f"{eager:.3f}"] + [_ratio(r[f"{x}_{key}"]) for x in ("mhla_vs_cudnn", "mhla_vs_linear",
+                                                                              "used_vs_mhla")]
+            lines.append("| " + " | ".join(cells) + " |")
     small = [r for r in rows if "linear_graph_fwd_ms" in r]
     if small:
         lines += ["", "Forward without gradients at small N (GPU time, CUDA graph): the dense kernel the op takes "
-                  "vs the linear path.", "", "| shape | N | dense | linear | SDPA (eager) |", "|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {r['N']:,} | {r['triton_graph_fwd_ms']:.3f} | {r['linear_graph_fwd_ms']:.3f} "
-                  f"| {r['sdpa_fwd_ms']:.3f} |" for r in small]
+                  "vs the linear path.", "", "| shape | N | dense | linear | cuDNN |", "|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['N']:,} | {_cell(r['times']['mhla']['fwd'])} | {r['linear_graph_fwd_ms']:.3f} "
+                  f"| {_cell(r['times'].get('cudnn', {}).get('fwd'))} |" for r in small]
+    errors = [f"{r['shape']} {n} {key}: {t['error']}" for r in rows for n, ts in r["times"].items()
+              for key, t in ts.items() if "error" in t]
+    if errors:
+        lines += ["", "Failed: " + "; ".join(errors)]
     return "\n".join(lines)
+
+
+def _progress(row: dict) -> str:
+    cells = [f"{n} {key} {_cell(t)} (queued {t.get('queued_ms', math.nan):.3f}, eager {t.get('eager_ms', math.nan):.3f})"
+             for n, ts in row["times"].items() for key, t in ts.items()]
+    return f"[{row['shape']}] " + ", ".join(cells)
 
 
 def _check_table(results: list[dict]) -> str:
@@ -180,14 +324,18 @@ def run_op(args: argparse.Namespace) -> int:
         from ..kernels.check import run_checks
 
         report["check"] = run_checks()
+        if not args.json:
+            print(_check_table(report["check"]), end="\n\n", flush=True)
     report["bandwidth_Bps"] = bandwidth = _copy_bandwidth(do_bench)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
-    report["rows"] = [bench_shape(s, dtype, args.batch, bandwidth, args.profile) for s in shapes]
+    report["rows"] = []
+    for s in shapes:
+        report["rows"].append(bench_shape(s, dtype, args.batch, bandwidth, args.profile, args.impls))
+        if not args.json:  # one line per shape as it finishes: a run cut short still reports what it measured
+            print(_progress(report["rows"][-1]), flush=True)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        if args.check:
-            print(_check_table(report["check"]), end="\n\n")
         print(_table(report["rows"], report["device"], bandwidth, args.dtype, args.batch))
     failed = [r["case"] for r in report.get("check", []) if not r["ok"]]
     if failed:

@@ -1,5 +1,7 @@
 """`mhla-diffusion bench model`: a real-size transformer (random weights, bf16), original
-attention vs MHLA (all layers and hybrid), one forward and one CFG denoising step, peak memory.
+attention vs MHLA (all layers and hybrid), one forward and one CFG denoising step, peak memory;
+and the bound "self-attention removed": the same model with no attention compute in its
+self-attention layers, the time no attention replacement that keeps the rest of the block can beat.
 """
 
 from __future__ import annotations
@@ -65,8 +67,36 @@ def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
     return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 1e9
 
 
+REMOVED = "no-self-attn"
+
+
+def _pass_values(q, k, v, layer_input, rope=None):
+    """The attention of a self-attention-removed layer: v as it is, (B, N, heads, Dv) -> (B, N, heads*Dv)."""
+    return v.flatten(2)
+
+
+def variant_processors(model, variant: str, original: dict) -> dict:
+    """The processor dict of a bench variant: "original"; "mhla-all" / "mhla-hybrid" (every 3rd layer keeps
+    softmax); REMOVED, every self-attention layer through the family's MHLA processor with its attention
+    replaced by `_pass_values`: the layer's q/k/v projections, q/k norms and output projection run as they
+    are, attention itself (and RoPE, which MHLA applies inside its kernels, and MHLA's output norm) does not."""
+    from ..conversion import default_config, mhla_processors
+    from ..processors import MHLAProcessorBase
+
+    if variant == "original":
+        return dict(original)
+    if variant == REMOVED:
+        procs = mhla_processors(model, default_config(model, layers="all"))
+        for proc in procs.values():
+            if isinstance(proc, MHLAProcessorBase):
+                proc.attend = _pass_values  # an instance attribute: this processor's attention only
+        return procs
+    layers = variant.removeprefix("mhla-")
+    return mhla_processors(model, default_config(model, layers="all" if layers == "all" else "hybrid:3"))
+
+
 def run_model(args) -> int:
-    from ..conversion import attn_processors, convert, default_config, set_attn_processor
+    from ..conversion import attn_processors, set_attn_processor
     from ..zoo import build_transformer
 
     if not torch.cuda.is_available():
@@ -77,12 +107,11 @@ def run_model(args) -> int:
     t0 = time.perf_counter()
     model = build_transformer(family, device="cuda", dtype=torch.bfloat16)
     original = attn_processors(model)
-    variants = [("original", None)] + [(f"mhla-{lay}", lay) for lay in args.layers]
+    variants = ["original"] + [f"mhla-{lay}" for lay in args.layers] + ([] if args.no_bound else [REMOVED])
     rows = []
-    for name, layers in variants:
+    for name in variants:
         set_attn_processor(model, dict(original))
-        if layers is not None:
-            convert(model, default_config(model, layers="all" if layers == "all" else "hybrid:3"))
+        set_attn_processor(model, variant_processors(model, name, original))
         fwd = torch.compile(model, mode=args.compile) if args.compile else model
         for batch, what in ((1, "forward"), (2, "CFG step (batch 2)")):
             if what.startswith("CFG") and args.no_cfg:
@@ -136,6 +165,8 @@ def register_model_command(commands) -> None:
     p.add_argument("--compile", nargs="?", const="default", choices=["default", "reduce-overhead", "max-autotune"],
                    help="torch.compile the transformer (mode; reduce-overhead replays CUDA graphs)")
     p.add_argument("--no-cfg", action="store_true", help="skip the batch-2 CFG step")
+    p.add_argument("--no-bound", action="store_true",
+                   help=f"skip the '{REMOVED}' row (self-attention removed: projections and norms run, attention does not)")
     p.add_argument("--profile", action="store_true", help="also print where one forward's time goes (torch.profiler)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)

@@ -1,0 +1,51 @@
+"""`bench op` on a machine without a GPU: its peers' arithmetic, ratios, and the table it prints."""
+
+import math
+
+import pytest
+import torch
+
+from mhla_diffusion.cli import bench, main
+
+
+def test_global_linear_is_relu_q_times_relu_k_transposed_v():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 10, 3, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    ref = torch.stack([torch.stack([q[b, :, h].relu() @ (k[b, :, h].relu().T @ v[b, :, h]) for h in range(3)], 1)
+                       for b in range(2)])
+    torch.testing.assert_close(bench.global_linear(q, k, v), ref)
+
+
+def _row(times):
+    return {"shape": "s", "N": 4096, "heads": 2, "D": 8, "blocks": [1, 2, 2], "M": 4, "blocks_chosen": "auto",
+            "floor_fwd_ms": 0.01, "floor_fwdbwd_ms": 0.03, "times": times}
+
+
+def test_ratios_and_table():
+    t = lambda ms, how="graph": {"ms": ms, "how": how, "eager_ms": 2 * ms}  # noqa: E731
+    times = {"cudnn": {"fwd": t(0.2), "fwdbwd": t(0.8, "busy")}, "fa2": {"fwd": t(0.3), "fwdbwd": t(1.0, "busy")},
+             "linear": {"fwd": t(0.05), "fwdbwd": t(0.2)}, "mhla": {"fwd": t(0.1), "fwdbwd": t(0.4)},
+             "mhla_used": {"fwd": t(0.11), "fwdbwd": t(0.6)}}
+    row = _row(times)
+    row.update(bench.ratios(row))
+    assert row["mhla_vs_cudnn_fwd"] == pytest.approx(0.5) and row["mhla_vs_linear_fwd"] == pytest.approx(2.0)
+    assert row["used_vs_mhla_fwdbwd"] == pytest.approx(1.5) and row["mhla_vs_cudnn_fwdbwd"] == pytest.approx(0.5)
+    table = bench._table([row], "GPU", 4e12, "bfloat16", 1)
+    fwd, fwdbwd = (line for line in table.splitlines() if line.startswith("| s |"))
+    assert fwd.split(" | ")[5:] == ["0.200", "0.300", "0.050", "0.100", "0.110", "0.200", "0.50x", "2.00x", "1.10x |"]
+    assert "0.800*" in fwdbwd and "1.50x" in fwdbwd  # eager-timed (profiler GPU time) cells are starred
+
+
+def test_missing_impls_give_nan_ratios_and_dashes():
+    row = _row({"mhla": {"fwd": {"ms": 0.1, "how": "graph", "eager_ms": 0.2},
+                         "fwdbwd": {"ms": math.nan, "error": "no kernel"}}})
+    row.update(bench.ratios(row))
+    assert math.isnan(row["mhla_vs_cudnn_fwd"]) and math.isnan(row["used_vs_mhla_fwd"])
+    table = bench._table([row], "GPU", 4e12, "bfloat16", 1)
+    assert "fail" in table and "Failed: s mhla fwdbwd: no kernel" in table
+
+
+def test_wan_shapes_time_mhla_as_used_and_the_cli_needs_a_gpu(capsys):
+    assert {s.name for s in bench.SHAPES if s.as_used} == {"Wan2.1-1.3B 480p", "Wan2.1-14B 720p"}
+    assert main(["bench", "op", "--impls", "mhla", "linear"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
