@@ -59,7 +59,7 @@ class MixingMatrices(nn.Module):
 
     def __init__(self, mix_init: str, mix_blocks):
         super().__init__()
-        self.mix_blocks = as_blocks(mix_blocks)
+        self.mix_init, self.mix_blocks = mix_init, as_blocks(mix_blocks)
         self.logits = nn.Parameter(initial_logits(self.mix_blocks, mix_init))
 
     def extra_repr(self) -> str:
@@ -68,3 +68,12 @@ class MixingMatrices(nn.Module):
     def forward(self, blocks) -> torch.Tensor:
         """The (M, M) fp32 mixing matrix for the block grid `blocks` of one call."""
         return resample_logits(self.logits.float(), self.mix_blocks, blocks).softmax(dim=-1)
+
+    @torch.no_grad()
+    def drift(self) -> dict:
+        """How far training moved the matrix at `mix_blocks`: mean |Mc - Mc0| / mean Mc0, and the mean
+        row entropy of Mc and of Mc0 (nats; log M is uniform, 0 one block only)."""
+        mc = self(self.mix_blocks).double()
+        mc0 = initial_logits(self.mix_blocks, self.mix_init).double().softmax(dim=-1)
+        entropy = lambda m: -(m * m.clamp_min(1e-300).log()).sum(-1).mean().item()  # noqa: E731
+        return {"change": ((mc - mc0).abs().mean() / mc0.mean()).item(), "entropy": entropy(mc), "init_entropy": entropy(mc0)}

@@ -30,6 +30,7 @@ from diffusers.training_utils import EMAModel
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from mhla_diffusion.conversion import converted_indices
 from mhla_diffusion.training import checkpoint, conditioning, data, distill, launch, model, objectives, sequence_parallel, validation
 from mhla_diffusion.training.config import load_config, parse_overrides, save_config
 from mhla_diffusion.training.families import model_output, recipe_for, transformer_inputs
@@ -99,7 +100,7 @@ def main(argv=None):
         transformer.enable_gradient_checkpointing()
     taps = None
     if cfg.distill_layers:
-        layers = model.converted_layers(transformer)
+        layers = converted_indices(transformer)
         taps = (distill.AttentionTap(transformer, layers), distill.AttentionTap(teacher, layers))
     scheduler_config = pipe.scheduler.config if pipe is not None else None
     objective = objectives.build_objective(cfg.objective if cfg.objective != "auto" else recipe.objective, transformer, scheduler_config, cfg)
@@ -108,7 +109,7 @@ def main(argv=None):
         if recipe.text:
             pipe.text_encoder.to(device, dtype=weight_dtype)
 
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW(model.param_groups(transformer, params, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)
     lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps * accelerator.num_processes,
                                  num_training_steps=cfg.max_steps * accelerator.num_processes)
@@ -181,7 +182,8 @@ def main(argv=None):
                 ema.step(params)
             if global_step % cfg.log_every == 0 or global_step == cfg.max_steps:
                 scalars = {k: accelerator.reduce(v, "mean").item() for k, v in logged.items()}
-                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": skipped.sync(accelerator)})
+                scalars.update({"lr": lr_scheduler.get_last_lr()[0], "data/skipped_files": skipped.sync(accelerator),
+                                **({} if fsdp else model.mixing_drift(accelerator.unwrap_model(transformer)))})
                 accelerator.log(scalars, step=global_step)
                 bar.set_postfix(loss=f"{scalars['loss']:.4f}")
             logged = {}

@@ -130,6 +130,7 @@ def test_dit_full_ema_distill_resume_matches_uninterrupted(work):
     losses = scalars(straight, "loss")
     assert len(losses) == 4 and all(np.isfinite(losses))
     assert scalars(straight, "distill_layers") and scalars(straight, "data/skipped_files")[-1] >= 1
+    assert len(scalars(straight, "mhla/mixing_change")) == 4 and scalars(straight, "mhla/mixing_entropy")
     assert (straight / "samples" / "step-0000004" / "00.png").is_file()
     assert len(list((straight / "checkpoints").iterdir())) == 2
     pipe = mhla_diffusion.from_pretrained(straight / "final")

@@ -55,6 +55,9 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     max_steps: int = 1000
     learning_rate: float = 1e-4
+    # MHLA parameters' own rate (mixing logits, output norm/gate; 0: learning_rate). AdamW moves a logit by
+    # about the rate per step, so at 1e-4 a mixing matrix stays near its init for thousands of steps.
+    mhla_learning_rate: float = 0.0
     lr_scheduler: str = "constant_with_warmup"
     lr_warmup_steps: int = 0
     weight_decay: float = 0.0

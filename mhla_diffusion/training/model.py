@@ -16,7 +16,7 @@ import torch
 from .. import persistence
 from ..blocks import auto_blocks
 from ..config import MHLAConfig, parse_blocks
-from ..conversion import convert, default_config, mhla_modules
+from ..conversion import convert, converted_indices, default_config, mhla_modules, mhla_parameters
 from ..families import family_of, self_attentions, token_grid
 from .checkpoint import partial, publish
 
@@ -54,12 +54,6 @@ def mhla_config(transformer, config, latent_shape) -> MHLAConfig:
     return default_config(transformer, **options)
 
 
-def converted_layers(transformer) -> list[int]:
-    """Indices of the self-attention layers that are MHLA now."""
-    procs = {id(p) for p in mhla_modules(transformer).values()}
-    return [i for i, attn in enumerate(self_attentions(transformer)) if id(attn.processor) in procs]
-
-
 def _self_attention_projection_names(transformer) -> list[str]:
     names = {id(m): n for n, m in transformer.named_modules()}
     return [f"{names[id(attn)]}.{p}" for attn in self_attentions(transformer) for p in ATTN_PROJECTIONS]
@@ -83,6 +77,21 @@ def set_trainable(transformer, config) -> list[torch.nn.Parameter]:
     for proc in mhla_modules(transformer).values():
         proc.requires_grad_(True)
     return [p for p in transformer.parameters() if p.requires_grad]
+
+
+def param_groups(transformer, params: list, config) -> list[dict]:
+    """The optimizer's groups: the MHLA parameters at `mhla_learning_rate` (when set), the rest at `learning_rate`."""
+    mhla = {id(p) for p in mhla_parameters(transformer)}
+    rate = config.mhla_learning_rate or config.learning_rate
+    groups = [{"params": [p for p in params if id(p) not in mhla], "lr": config.learning_rate},
+              {"params": [p for p in params if id(p) in mhla], "lr": rate}]
+    return [g for g in groups if g["params"]]
+
+
+def mixing_drift(transformer) -> dict:
+    """Mean over converted layers of how far each mixing matrix moved from its init (`MixingMatrices.drift`)."""
+    drifts = [m.mixing.drift() for m in mhla_modules(transformer).values()]
+    return {f"mhla/mixing_{k}": sum(d[k] for d in drifts) / len(drifts) for k in drifts[0]} if drifts else {}
 
 
 def frozen_parameter_ids(transformer, config) -> set[int]:
@@ -109,7 +118,7 @@ def merge_lora(transformer) -> None:
 def convert_model(transformer, mhla: MHLAConfig):
     convert(transformer, mhla)
     log.info("converted %d of %d self-attention layers to MHLA (blocks %s)",
-             len(converted_layers(transformer)), len(self_attentions(transformer)), mhla.blocks)
+             len(converted_indices(transformer)), len(self_attentions(transformer)), mhla.blocks)
     return transformer
 
 
