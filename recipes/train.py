@@ -109,7 +109,7 @@ def main(argv=None):
         if recipe.text:
             pipe.text_encoder.to(device, dtype=weight_dtype)
 
-    optimizer = torch.optim.AdamW(model.param_groups(transformer, params, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW(model.param_groups(transformer, params, cfg.learning_rate, cfg.mhla_learning_rate), betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)
     lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps * accelerator.num_processes,
                                  num_training_steps=cfg.max_steps * accelerator.num_processes)

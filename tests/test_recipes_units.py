@@ -207,7 +207,7 @@ def test_mhla_learning_rate_moves_the_mixing_matrices_further():
         convert(transformer, default_config(transformer, blocks=(1, 2, 2)))
         cfg = load_config(None, {"pretrained": "x", "learning_rate": 1e-4, "mhla_learning_rate": mhla_lr})
         params = model.set_trainable(transformer, cfg)
-        groups = model.param_groups(transformer, params, cfg)
+        groups = model.param_groups(transformer, params, cfg.learning_rate, cfg.mhla_learning_rate)
         assert [g["lr"] for g in groups] == [1e-4, mhla_lr or 1e-4]
         assert {id(p) for p in groups[1]["params"]} == {id(p) for p in model.mhla_parameters(transformer)}
         opt = torch.optim.AdamW(groups, weight_decay=0.0)

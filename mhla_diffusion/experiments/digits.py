@@ -30,6 +30,7 @@ import torch
 from ..config import parse_blocks
 from ..evaluation import fid as fidlib
 from ..evaluation.store import pin_settings
+from ..training.model import mixing_drift
 from . import classifier as clf
 from . import pixel_dit, report
 from .digits_data import NUM_CLASSES, load_digits, to_uint8_rgb
@@ -57,13 +58,15 @@ class Settings:
     sampling_steps: int
     guidance: float
     seeds: tuple
+    mhla_lr: float = 0.0  # fine-tuning rate of the MHLA parameters (0: finetune_lr)
 
     def model_size(self) -> pixel_dit.ModelSize:
         return pixel_dit.ModelSize(self.layers, self.heads, self.head_dim, self.patch_size)
 
     def train_settings(self, phase: str) -> pixel_dit.TrainSettings:
         steps, lr = (self.pretrain_steps, self.pretrain_lr) if phase == "pretrain" else (self.finetune_steps, self.finetune_lr)
-        return pixel_dit.TrainSettings(steps, self.batch_size, lr, min(self.warmup, steps), self.ema_decay)
+        mhla_lr = self.mhla_lr if phase == "finetune" else 0.0
+        return pixel_dit.TrainSettings(steps, self.batch_size, lr, min(self.warmup, steps), self.ema_decay, mhla_lr=mhla_lr)
 
 
 PRESETS = {
@@ -256,7 +259,8 @@ def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Resu
                 losses = pixel_dit.train(model, digits.train_images, digits.train_labels, s.train_settings("finetune"),
                                          seed, f"finetune {labels[variant]} seed {seed}", progress)
             results.data["curves"][f"{variant}/seed{seed}"] = curve(losses)
-            evaluate(results, judge, model, f"{variant}/finetuned", seed, s, out, {"finetune_steps": s.finetune_steps})
+            evaluate(results, judge, model, f"{variant}/finetuned", seed, s, out,
+                     {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
         del model
 
 

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..training.families import model_output, transformer_inputs
+from ..training.model import param_groups
 from ..training.objectives import DDPMObjective
 from .digits_data import NUM_CLASSES
 
@@ -39,6 +40,7 @@ class TrainSettings:
     warmup: int
     ema_decay: float  # reached after the EMA's warm-up (power 3/4), so short runs average short windows
     grad_clip: float = 1.0
+    mhla_lr: float = 0.0  # the MHLA parameters' own rate (0: lr)
 
 
 def build_dit(resolution: int, size: ModelSize, seed: int):
@@ -63,7 +65,7 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     device = next(model.parameters()).device
     objective = DDPMObjective(SCHEDULER, learned_variance=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(param_groups(model, params, settings.lr, settings.mhla_lr), weight_decay=0.0)
     warmup = lambda step: min(1.0, (step + 1) / max(1, settings.warmup))  # noqa: E731
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4, foreach=True)

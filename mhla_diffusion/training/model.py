@@ -79,12 +79,11 @@ def set_trainable(transformer, config) -> list[torch.nn.Parameter]:
     return [p for p in transformer.parameters() if p.requires_grad]
 
 
-def param_groups(transformer, params: list, config) -> list[dict]:
-    """The optimizer's groups: the MHLA parameters at `mhla_learning_rate` (when set), the rest at `learning_rate`."""
+def param_groups(transformer, params: list, lr: float, mhla_lr: float = 0.0) -> list[dict]:
+    """The optimizer's groups: the MHLA parameters at `mhla_lr` (0: `lr`), the rest at `lr`."""
     mhla = {id(p) for p in mhla_parameters(transformer)}
-    rate = config.mhla_learning_rate or config.learning_rate
-    groups = [{"params": [p for p in params if id(p) not in mhla], "lr": config.learning_rate},
-              {"params": [p for p in params if id(p) in mhla], "lr": rate}]
+    groups = [{"params": [p for p in params if id(p) not in mhla], "lr": lr},
+              {"params": [p for p in params if id(p) in mhla], "lr": mhla_lr or lr}]
     return [g for g in groups if g["params"]]
 
 
