@@ -23,6 +23,7 @@ from .conversion import CONFIG_KEY
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = sorted(DTYPES)  # what --dtype accepts
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -32,7 +33,12 @@ def parse_dtype(name):
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of fp32, fp16, bf16") from None
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}") from None
+
+
+def dtype_name(dtype) -> str | None:
+    """"bfloat16" for torch.bfloat16, None for None: what a JSON report says."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def read_json(path: Path) -> dict:

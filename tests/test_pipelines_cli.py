@@ -120,3 +120,23 @@ def test_demo_writes_picture(tmp_path):
     img = Image.open(tmp_path / "demo.png")
     assert img.width > img.height > 0  # originals above, MHLA below, 4 samples each
     assert md.persistence.stored_config(tmp_path / "mhla") is not None
+
+
+def test_help_shows_defaults_version_and_dtype_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("mhla-diffusion ")
+    with pytest.raises(SystemExit):
+        main(["transfer", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "optimizer steps per layer (default: 200)" in text and "SRC the original (unconverted) pipeline dir" in text
+    with pytest.raises(SystemExit):
+        main(["bench", "op", "--help"])
+    assert "'Wan2.1-1.3B 480p'" in " ".join(capsys.readouterr().out.split())
+
+
+def test_convert_takes_long_dtype_names(checkpoints, tmp_path, capsys):
+    assert main(["convert", str(checkpoints / "dit-pipe"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "bf16"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["models"]["transformer"]["dtypes"] == ["BF16"]

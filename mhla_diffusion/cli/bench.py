@@ -30,7 +30,8 @@ def register_op_command(commands) -> None:
         description="Forward and forward+backward GPU times of the attention op and its peers, in one process: "
                     "CUDA-graph replay where capture works, eager otherwise.",
     )
-    op.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], help="subset of shapes (default: all)")
+    op.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], metavar="SHAPE",
+                    help="subset of shapes, each quoted (default: all): " + ", ".join(f"'{s.name}'" for s in SHAPES))
     op.add_argument("--impls", nargs="+", choices=list(IMPLS), help="subset of implementations (default: all)")
     op.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     op.add_argument("--batch", type=int, default=1)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from ..config import MIX_INITS
+from ..persistence import DTYPE_NAMES
 from ..reference import FEATURE_MAPS
 
 
@@ -67,6 +68,6 @@ def register(sub) -> None:
     p.add_argument("src", metavar="SRC", help="diffusers pipeline or transformer dir (or hub id); a converted SRC is re-saved as it is")
     p.add_argument("dst", metavar="DST", help="new dir to write (written atomically; an existing one needs --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST whole")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="load and save in this dtype (default: as stored)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, metavar="DTYPE", help="load and save in this dtype: bf16 (bfloat16), fp16 (float16) or fp32 (float32); default: as stored")
     add_config_args(p)
     p.set_defaults(func=run)

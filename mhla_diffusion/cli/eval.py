@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..persistence import DTYPE_NAMES
+
 
 def _sampling_args(p: argparse.ArgumentParser, steps: int | None = None) -> None:
     g = p.add_argument_group("sampling")
@@ -13,7 +15,7 @@ def _sampling_args(p: argparse.ArgumentParser, steps: int | None = None) -> None
     g.add_argument("--height", type=int)
     g.add_argument("--width", type=int)
     g.add_argument("--num-frames", type=int, help="Wan: frames per video (each frame counts as an image)")
-    g.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="weights dtype (default: as stored)")
+    g.add_argument("--dtype", choices=DTYPE_NAMES, metavar="DTYPE", help="weights dtype: bf16 (bfloat16), fp16 (float16) or fp32 (float32); default: as stored")
 
 
 def _settings(args, guidance_scale=None):

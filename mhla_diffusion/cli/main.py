@@ -43,11 +43,35 @@ def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted"
         return 130
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, where it has one worth showing and the text does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
+        return f"{text} (default: %(default)s)" if shown and (action.option_strings or action.nargs) else text
+
+
+class Parser(argparse.ArgumentParser):
+    """Every command's parser (add_subparsers makes its sub-parsers of the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("mhla-diffusion")
+    except PackageNotFoundError:  # a checkout that was not installed (`python cli.py`)
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mhla-diffusion",
-        description="Retrofit diffusers transformers with multi-head linear attention (MHLA).",
-    )
+    parser = Parser(prog="mhla-diffusion", description="Retrofit diffusers transformers with multi-head linear attention (MHLA).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or set MHLA_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

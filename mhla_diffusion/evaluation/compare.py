@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..persistence import dtype_name
 from .images import to_uint8
 from .sampling import SamplingSettings, generate, load_pipeline
 
@@ -104,7 +105,7 @@ def run_compare(teacher, student, out, num_samples: int, settings: SamplingSetti
         **{f"{k}_mean": float(np.mean(v)) for k, v in per.items()},
         "teacher_latent_mean_square": float(t_lat.pow(2).mean()),
         "per_image": per,
-        "settings": {**settings.to_dict(), "batch_size": batch_size, "dtype": str(torch_dtype)},
+        "settings": {**settings.to_dict(), "batch_size": batch_size, "dtype": dtype_name(torch_dtype)},
         "grid": str(grid),
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2))

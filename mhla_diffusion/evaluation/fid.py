@@ -8,6 +8,7 @@ compute(), several times faster at 2048-d).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from . import images, inception
 # FID depends only on (mu, sigma): the states give both back exactly for any n >= 2. n only
 # labels the stats; when an .npz lacks it we assume the FID-50K convention.
 DEFAULT_REFERENCE_N = 50_000
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,6 +118,10 @@ def frechet_distance(a: FeatureStats, b: FeatureStats) -> float:
     """|mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2), with tr (S_a S_b)^1/2 taken from the
     symmetric S_a^1/2 S_b S_a^1/2 (same eigenvalues). Two eigh calls instead of torchmetrics'
     general eigvals: at 2048-d on CPU about 5 s instead of 40 s, and no complex round-off."""
+    d, n = a.mu.size, min(a.n, b.n)
+    if n < d:
+        log.warning("FID from %d samples on %d features: the covariance has rank < %d, so FID is biased upward and only "
+                    "comparable at the same n; use at least %d samples per side (papers report FID-50K)", n, d, n, d)
     mu_a, mu_b, s_a, s_b = (torch.as_tensor(x, dtype=torch.float64) for x in (a.mu, b.mu, a.sigma, b.sigma))
     w, v = torch.linalg.eigh(s_a)
     root_a = (v * w.clamp_min(0).sqrt()) @ v.T

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from . import fid as fidlib
 from . import images, inception
+from ..persistence import dtype_name
 from .sampling import SamplingSettings, family_name, generate, load_pipeline
 from .store import SampleStore
 
@@ -45,7 +46,7 @@ def run_fid(model, reference, out, num_samples: int, settings: SamplingSettings,
     state = PartialState()
     out = Path(out)
     store = SampleStore(out / "samples")
-    pinned = {"model": str(Path(model).resolve()), "dtype": str(torch_dtype), **settings.to_dict()}
+    pinned = {"model": str(Path(model).resolve()), "dtype": str(torch_dtype), **settings.to_dict()}  # as pinned by earlier runs
     if state.is_main_process:
         store.pin_settings(pinned)
     state.wait_for_everyone()
@@ -79,7 +80,7 @@ def run_fid(model, reference, out, num_samples: int, settings: SamplingSettings,
         "reference_unreadable": len(unreadable.paths),
         "reference_unreadable_files": [str(p) for p in list(unreadable.paths)[:images.NAMED]],
         "feature": "inception-v3 2048-d (torch-fidelity weights)" if feature is None else type(feature).__name__,
-        "settings": {**settings.to_dict(), "batch_size": batch_size, "dtype": str(torch_dtype), "num_processes": state.num_processes},
+        "settings": {**settings.to_dict(), "batch_size": batch_size, "dtype": dtype_name(torch_dtype), "num_processes": state.num_processes},
         "timings_s": {"load": t_load - t0, "sampling": t_gen - t_load, "fid": t_fid - t_gen, "total": t_fid - t0},
         "samples_made": len(todo),
         "samples_resumed": num_samples - len(todo),
