@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from mhla_diffusion.conversion import converted_indices
 from mhla_diffusion.training import checkpoint, conditioning, data, distill, launch, model, objectives, sequence_parallel, validation
-from mhla_diffusion.training.config import load_config, parse_overrides, save_config
+from mhla_diffusion.training.config import config_reference, load_config, parse_overrides, save_config
 from mhla_diffusion.training.families import model_output, recipe_for, transformer_inputs
 
 log = logging.getLogger("mhla_diffusion.train")
@@ -44,7 +44,8 @@ def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="config keys (YAML, or --key value on the command line):\n" + config_reference())
     parser.add_argument("--config", help="recipe YAML; any other --key value overrides one of its keys")
     args, rest = parser.parse_known_args(argv)
     cfg = load_config(args.config, parse_overrides(rest))

@@ -218,3 +218,19 @@ def test_mhla_learning_rate_moves_the_mixing_matrices_further():
         drift[mhla_lr] = model.mixing_drift(transformer)
     assert drift[0.0]["mhla/mixing_change"] < 0.01 < drift[1e-2]["mhla/mixing_change"]
     assert drift[1e-2]["mhla/mixing_entropy"] != drift[1e-2]["mhla/mixing_init_entropy"]
+
+
+def test_train_help_lists_every_config_key_with_type_default_and_description():
+    import subprocess
+    import sys
+    from dataclasses import fields
+
+    from mhla_diffusion.training.config import TrainConfig
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "recipes" / "train.py"), "--help"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(root), "PATH": ""}, check=True).stdout
+    for f in fields(TrainConfig):
+        line = next(x for x in out.splitlines() if x.startswith(f"  --{f.name} ("))
+        assert f"({f.type}, default " in line and not line.endswith(": -"), line
+    assert "--mhla_learning_rate (float, default 0.0): the MHLA parameters' own rate" in out

@@ -7,6 +7,7 @@ the field's type so that `--learning_rate 1e-4` and YAML's `1e-4` (a string in Y
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import typing
 from dataclasses import dataclass, field, fields
@@ -26,63 +27,61 @@ class TrainConfig:
     pretrained: str = ""  # local diffusers dir or hub id of the *unconverted* pipeline
     family: str = ""  # optional guard: "dit", "pixart", "sana" or "wan"; must match the model
     # conversion (MHLAConfig fields); blocks "auto" is resolved from the training resolution
-    mhla_blocks: str = "auto"
+    mhla_blocks: str = "auto"  # block grid "bt,bh,bw" (or "bh,bw"), or "auto"
     mhla_layers: str = "all"  # "all", "hybrid:3", or "0,1,5"
     mhla_options: dict = field(default_factory=dict)  # other MHLAConfig fields over the family default
     # what trains
     train_mode: str = "full"  # full | mhla (MHLA params [+ q/k/v/out]) | lora (+ MHLA params)
     train_qkv: bool = False  # mhla mode: also train self-attention to_q/to_k/to_v/to_out.0
-    lora_rank: int = 16
-    lora_alpha: float = 16.0
+    lora_rank: int = 16  # rank of the LoRA adapters on the self-attention projections
+    lora_alpha: float = 16.0  # LoRA scale numerator (scale = alpha / rank)
     # objective
     objective: str = "auto"  # auto: ddpm for dit/pixart, flow for sana/wan
-    flow_shift: float = 3.0
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
+    flow_shift: float = 3.0  # flow matching: timestep shift (Wan and SANA use 3)
+    logit_mean: float = 0.0  # flow matching: mean of the logit-normal timestep density
+    logit_std: float = 1.0  # flow matching: std of the logit-normal timestep density
     # distillation from the unconverted model (weights of the loss terms; 0 = off)
-    distill_output: float = 0.0
-    distill_layers: float = 0.0
+    distill_output: float = 0.0  # the student's prediction against the teacher's at the same input
+    distill_layers: float = 0.0  # each converted layer's output against the teacher's softmax layer
     # data
-    data_dir: str = ""
-    data_type: str = "auto"
+    data_dir: str = ""  # image or video folder with captions, or a latent cache (recipes/precompute.py)
+    data_type: str = "auto"  # auto | images | videos | latents
     resolution: list = field(default_factory=lambda: [256, 256])  # pixels (h, w); one int = square
-    num_frames: int = 81
+    num_frames: int = 81  # video families: frames per clip (1 + a multiple of the VAE's temporal factor)
     max_sequence_length: int = 0  # 0: the pipeline's default
-    num_workers: int = 2
+    num_workers: int = 2  # data loader processes
     max_unreadable: float = 0.1  # unreadable files are skipped, each counted once; more than this fraction stops the run
     # optimization
-    train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    max_steps: int = 1000
-    learning_rate: float = 1e-4
-    # MHLA parameters' own rate (mixing logits, output norm/gate; 0: learning_rate). AdamW moves a logit by
-    # about the rate per step, so at 1e-4 a mixing matrix stays near its init for thousands of steps.
-    mhla_learning_rate: float = 0.0
-    lr_scheduler: str = "constant_with_warmup"
-    lr_warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "no"
-    gradient_checkpointing: bool = False
-    allow_tf32: bool = True
+    train_batch_size: int = 1  # samples per process and micro-batch
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    max_steps: int = 1000  # optimizer steps
+    learning_rate: float = 1e-4  # AdamW learning rate
+    mhla_learning_rate: float = 0.0  # the MHLA parameters' own rate (0: learning_rate); AdamW moves a logit ~rate/step
+    lr_scheduler: str = "constant_with_warmup"  # a diffusers.optimization scheduler name
+    lr_warmup_steps: int = 0  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    adam_epsilon: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float = 1.0  # gradient clipping norm (0: off)
+    mixed_precision: str = "no"  # no | fp16 | bf16 (weights of the frozen parts and autocast)
+    gradient_checkpointing: bool = False  # recompute activations in the backward (less memory)
+    allow_tf32: bool = True  # TF32 matmuls on Ampere and later GPUs
     ema_decay: float = 0.0  # 0 = no EMA
-    seed: int = 0
+    seed: int = 0  # every random draw of step k derives from (seed, k, micro-batch, rank)
     context_parallel: int = 0  # >1: split each sample's tokens over this many processes (all of them); 0 = off
     # checkpoints, logs, samples
-    output_dir: str = "outputs/run"
-    checkpointing_steps: int = 500
-    checkpoints_total_limit: int = 3
+    output_dir: str = "outputs/run"  # checkpoints/, logs/ (tensorboard), samples/, final/
+    checkpointing_steps: int = 500  # save a resumable checkpoint every this many steps
+    checkpoints_total_limit: int = 3  # keep at most this many checkpoints (0: all)
     resume: str = ""  # "", "latest", or a checkpoint dir
     overwrite_output_dir: bool = False  # delete a previous run in output_dir (checkpoints, final, logs, samples) first
-    log_every: int = 1
+    log_every: int = 1  # log losses every this many steps
     validation_steps: int = 0  # 0 = no periodic samples
     validation_prompts: list = field(default_factory=list)  # text families
     validation_classes: list = field(default_factory=list)  # class-conditional (DiT)
-    validation_inference_steps: int = 25
-    validation_guidance_scale: float = 4.0
+    validation_inference_steps: int = 25  # denoising steps of the validation samples
+    validation_guidance_scale: float = 4.0  # classifier-free guidance of the validation samples
 
     def __post_init__(self):
         res = self.resolution if isinstance(self.resolution, (list, tuple)) else [self.resolution]
@@ -105,6 +104,29 @@ class TrainConfig:
             raise ValueError(f"context_parallel must be >= 0 (0 = off), got {self.context_parallel}")
         if self.resume and self.overwrite_output_dir:
             raise ValueError("resume continues the run in output_dir and overwrite_output_dir deletes it: give one of them")
+
+
+def config_reference() -> str:
+    """Every config key with its type, default and description, read off TrainConfig's own source
+    (its section comments and each field's trailing comment), so it is written once."""
+    import inspect
+
+    found = {f.name: f for f in fields(TrainConfig)}
+    lines = []
+    for line in inspect.getsource(TrainConfig).splitlines()[2:]:
+        text = line.strip()
+        if text.startswith("def "):
+            break
+        if text.startswith("# "):
+            lines.append(f"\n{text[2:]}:")
+            continue
+        code, _, comment = text.partition("  # ")
+        name = code.split(":")[0]
+        if name in found:
+            f = found[name]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            lines.append(f"  --{name} ({f.type}, default {default!r}): {comment or '-'}")
+    return "\n".join(lines).strip()
 
 
 def _coerce(name: str, kind, value):
