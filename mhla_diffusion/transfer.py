@@ -138,18 +138,15 @@ def fit_layer(attn, processor, calls: list, steps: int, lr: float, projection_lr
     return layer, LayerFit("", before, _relative_error(layer, calls, device), curve)
 
 
-def transfer(obj, config, settings, num_samples: int, batch_size: int, keep: int, steps: int, lr: float,
-             projection_lr: float | None = None, keep_softmax_worst: int = 0, layers_per_pass: int = 0,
-             progress: bool = True) -> list[LayerFit]:
-    """Convert `obj` (a pipeline, unconverted) with `config` and fit every converted layer to its
-    teacher's calls along `num_samples` of the teacher's own trajectories (see evaluation.sampling).
+def transfer(obj, config, run_teacher, keep: int, steps: int, lr: float, projection_lr: float | None = None,
+             keep_softmax_worst: int = 0, layers_per_pass: int = 0, seed: int = 0, progress: bool = True) -> list[LayerFit]:
+    """Convert `obj` (a pipeline or a transformer, unconverted) with `config` and fit every converted
+    layer to the calls it gets while `run_teacher()` samples with the original model (the same
+    samples each time it is called: e.g. a pipeline's seeded samples, evaluation.sampling.generate).
 
-    layers_per_pass: record this many layers per sampling pass (0: all in one pass); the same seeds
-    give the same trajectories each pass, so memory is bounded at the price of sampling again.
-    keep_softmax_worst: afterwards, the K layers that fit worst go back to softmax attention.
-    Returns one LayerFit per converted layer, in layer order."""
-    from .evaluation.sampling import generate
-
+    layers_per_pass: record this many layers per `run_teacher()` pass (0: all in one pass), so memory
+    is bounded at the price of sampling again. keep_softmax_worst: afterwards, the K layers that fit
+    worst go back to softmax attention. Returns one LayerFit per converted layer, in layer order."""
     models = transformers_of(obj)
     device = next(iter(models.values())).device
     configs = {name: resolve_config(m, config) for name, m in models.items()}
@@ -164,17 +161,15 @@ def transfer(obj, config, settings, num_samples: int, batch_size: int, keep: int
     fits, fitted = [], {}
     bar = tqdm(total=len(keys), desc="fitting layers", disable=not progress)
     for group in passes:
-        with record_self_attention(models, keep, settings.seed, only=set(group)) as calls:
-            for start in tqdm(range(0, num_samples, batch_size), desc="teacher trajectories", disable=not progress,
-                              leave=False):
-                generate(obj, range(start, min(start + batch_size, num_samples)), settings)
+        with record_self_attention(models, keep, seed, only=set(group)) as calls:
+            run_teacher()
         for key in group:
             name, attn = todo[key]
             if not calls[key]:
                 raise ValueError(f"{key} was never called while sampling: nothing to fit it on")
             proc = new_processor(family_of(models[name]), attn, configs[name], TokenGrid())
             layer, fit = fit_layer(attn, proc, calls.pop(key), steps, lr, projection_lr, device,
-                                   seed=settings.seed + keys.index(key))
+                                   seed=seed + keys.index(key))
             fit.name = key
             fits.append(fit)
             fitted[key] = layer.state_dict()

@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from .convert import add_config_args, config_overrides
 from .eval import _sampling_args, _settings
 
@@ -32,6 +34,7 @@ def fit_table(fits) -> str:
 def run(args) -> int:
     from ..conversion import converted_indices, default_config, is_converted, transformers_of
     from ..persistence import checkpoint_kind, is_hub_id, load, save_atomically
+    from ..evaluation.sampling import generate
     from ..transfer import transfer
 
     if not is_hub_id(args.src) and checkpoint_kind(args.src) != "pipeline":
@@ -45,9 +48,14 @@ def run(args) -> int:
         raise ValueError(f"{args.src} is already converted to MHLA: the teacher must be the original model")
     pipe.set_progress_bar_config(disable=True)
     config = default_config(next(iter(models.values())), **config_overrides(args))
-    fits = transfer(pipe, config, _settings(args, args.guidance_scale), args.num_samples, args.batch_size,
-                    args.keep_calls, args.steps_per_layer, args.lr, args.projection_lr, args.keep_softmax_worst,
-                    args.layers_per_pass)
+    settings = _settings(args, args.guidance_scale)
+
+    def run_teacher():
+        for start in tqdm(range(0, args.num_samples, args.batch_size), desc="teacher trajectories", leave=False):
+            generate(pipe, range(start, min(start + args.batch_size, args.num_samples)), settings)
+
+    fits = transfer(pipe, config, run_teacher, args.keep_calls, args.steps_per_layer, args.lr, args.projection_lr,
+                    args.keep_softmax_worst, args.layers_per_pass, seed=args.seed)
 
     def save(path):
         pipe.save_pretrained(path)
