@@ -132,3 +132,21 @@ def test_grid_puts_each_class_on_its_row():
     rows = [g[c * 6, 0, 0] for c in range(10)]  # cell 4 + gap 2
     assert rows == sorted(rows) and rows[0] == 0 and rows[-1] == 255
     assert np.all(g[4:6] == 255)  # the gap between rows
+
+
+def test_data_free_stages_run_without_scans_and_keep_old_runs_resumable(tmp_path, toy_run):
+    """--data-free adds attention transfer and teacher-only fine-tuning per seed (linear, MHLA); the
+    options added since the first full run stay out of a run's pinned settings at their defaults."""
+    out, _ = toy_run
+    assert "mhla_lr" not in json.loads((out / "settings.json").read_text())
+    done = run("--preset", "toy", "--out", tmp_path, "--device", "cpu", "--no-progress", "--seeds", "0",
+               "--data-free", "true", "--transfer-steps", "3", "--teacher-samples", "20")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for variant in ("linear", "mhla"):
+        transferred, teacher = results["runs"][f"{variant}/transferred"]["0"], results["runs"][f"{variant}/teacher"]["0"]
+        assert transferred["finetune_steps"] == 0 and len(transferred["layers"]) == PRESETS["toy"].layers
+        assert teacher["finetune_steps"] == PRESETS["toy"].finetune_steps and math.isfinite(teacher["fid"])
+    table = (tmp_path / "results.md").read_text()
+    assert "| MHLA (4 blocks), attention transfer (no scans) |" in table
+    assert "| MHLA (4 blocks), transfer + teacher-only fine-tune (no scans) |" in table

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import math
@@ -59,6 +60,9 @@ class Settings:
     guidance: float
     seeds: tuple
     mhla_lr: float = 0.0  # fine-tuning rate of the MHLA parameters (0: finetune_lr)
+    data_free: bool = False  # also per seed: attention transfer and teacher-only fine-tuning, no scans (linear, MHLA)
+    transfer_steps: int = 300  # attention transfer: optimizer steps per layer
+    teacher_samples: int = 1000  # teacher-only fine-tuning: the teacher's own samples it trains on
 
     def model_size(self) -> pixel_dit.ModelSize:
         return pixel_dit.ModelSize(self.layers, self.heads, self.head_dim, self.patch_size)
@@ -67,6 +71,11 @@ class Settings:
         steps, lr = (self.pretrain_steps, self.pretrain_lr) if phase == "pretrain" else (self.finetune_steps, self.finetune_lr)
         mhla_lr = self.mhla_lr if phase == "finetune" else 0.0
         return pixel_dit.TrainSettings(steps, self.batch_size, lr, min(self.warmup, steps), self.ema_decay, mhla_lr=mhla_lr)
+
+
+# Settings added after runs were made: left out of a run's pinned settings while at these defaults,
+# so such a run (which used them implicitly) can still be resumed.
+LATER_DEFAULTS = {"mhla_lr": 0.0, "data_free": False, "transfer_steps": 300, "teacher_samples": 1000}
 
 
 PRESETS = {
@@ -98,7 +107,15 @@ def table_rows(settings: Settings) -> list[tuple[str, str, int, str]]:
     labels, blocks = variant_labels(settings), variant_blocks(settings)
     m = {v: "—" if b is None else str(math.prod(b)) for v, b in blocks.items()}
     first = [(f"{labels[v]}{' (pre-trained)' if v == 'softmax' else ', converted'}", m[v], 0, f"{v}/converted") for v in VARIANTS]
-    return first + [(f"{labels[v]}, fine-tuned", m[v], settings.finetune_steps, f"{v}/finetuned") for v in VARIANTS]
+    rows = first + [(f"{labels[v]}, fine-tuned", m[v], settings.finetune_steps, f"{v}/finetuned") for v in VARIANTS]
+    if settings.data_free:
+        rows += [row for v in DATA_FREE for row in (
+            (f"{labels[v]}, attention transfer (no scans)", m[v], 0, f"{v}/transferred"),
+            (f"{labels[v]}, transfer + teacher-only fine-tune (no scans)", m[v], settings.finetune_steps, f"{v}/teacher"))]
+    return rows
+
+
+DATA_FREE = ("linear", "mhla")
 
 
 def parse_args(argv):
@@ -107,7 +124,8 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("outputs/digits"), help="output dir; a rerun resumes there")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    kinds = {"int": int, "float": float, "tuple": lambda text: tuple(int(x) for x in text.split(","))}
+    kinds = {"int": int, "float": float, "tuple": lambda text: tuple(int(x) for x in text.split(",")),
+             "bool": lambda text: text.lower() in ("1", "true", "yes")}
     for f in fields(Settings):
         kind = parse_blocks if f.name == "mhla_blocks" else kinds[f.type]
         presets = ", ".join(f"{name}: {getattr(preset, f.name)}" for name, preset in PRESETS.items())
@@ -262,6 +280,41 @@ def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Resu
             evaluate(results, judge, model, f"{variant}/finetuned", seed, s, out,
                      {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
         del model
+    if s.data_free:
+        data_free_phase(base, judge, seed, s, results, out, progress)
+
+
+def data_free_phase(base, judge: Judge, seed: int, s: Settings, results: Results, out: Path, progress: bool) -> None:
+    """Conversion with the pre-trained model as the only teacher, no scans: attention transfer on its own
+    samples, then fine-tuning on its own samples with its prediction as the distillation target."""
+    from ..conversion import default_config
+    from ..transfer import transfer
+
+    labels = variant_labels(s)
+    teacher_labels = torch.arange(s.teacher_samples) % NUM_CLASSES
+    teacher_images = None
+    for variant in DATA_FREE:
+        if results.done(f"{variant}/transferred", seed) and results.done(f"{variant}/teacher", seed):
+            continue
+        model = copy.deepcopy(base)
+        fit_labels = torch.arange(4 * NUM_CLASSES) % NUM_CLASSES
+        with timed(results, f"transfer {variant}"):
+            fits = transfer(model, default_config(model, blocks=variant_blocks(s)[variant]),
+                            lambda: pixel_dit.sample(model, fit_labels, s.sampling_steps, s.guidance, seed + 2000),
+                            keep=16, steps=s.transfer_steps, lr=1e-2, projection_lr=s.finetune_lr * 10, seed=seed,
+                            progress=progress)
+        evaluate(results, judge, model, f"{variant}/transferred", seed, s, out,
+                 {"finetune_steps": 0, "layers": [{"layer": f.name, "before": f.before, "after": f.after} for f in fits]})
+        if teacher_images is None:
+            with timed(results, "teacher samples"):
+                teacher_images = pixel_dit.sample(base, teacher_labels, s.sampling_steps, s.guidance, seed + 1000)
+        with timed(results, f"teacher-only finetune {variant}"):
+            losses = pixel_dit.train(model, teacher_images, teacher_labels, s.train_settings("finetune"), seed,
+                                     f"teacher-only {labels[variant]} seed {seed}", progress, teacher=base)
+        results.data["curves"][f"{variant}_teacher/seed{seed}"] = curve(losses)
+        evaluate(results, judge, model, f"{variant}/teacher", seed, s, out,
+                 {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
+        del model
 
 
 def write_report(out: Path, s: Settings, results: Results) -> None:
@@ -277,7 +330,8 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     out, progress = args.out, not args.no_progress
     t0 = time.perf_counter()
-    pinned = json.loads(json.dumps({k: v for k, v in asdict(s).items() if k != "seeds"}))
+    pinned = json.loads(json.dumps({k: v for k, v in asdict(s).items()
+                                    if k != "seeds" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}))
     try:
         pin_settings(out, pinned, "digits results")  # more seeds may be added to a finished run, nothing else
     except ValueError as e:

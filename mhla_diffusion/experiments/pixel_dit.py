@@ -57,9 +57,11 @@ def build_dit(resolution: int, size: ModelSize, seed: int):
         attention_bias=True)
 
 
-def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, progress: bool = True) -> list[float]:
+def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, progress: bool = True,
+          teacher=None) -> list[float]:
     """AdamW (wd 0) with linear warm-up, grad clipping and EMA, all parameters trained; the EMA
-    weights end up in `model`. Returns the loss of every step."""
+    weights end up in `model`. With a `teacher`, its prediction at the same noisy input is a second
+    target (output distillation, weight 1). Returns the loss of every step."""
     from diffusers.training_utils import EMAModel
 
     device = next(model.parameters()).device
@@ -76,8 +78,13 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, mininterval=2):
         idx = torch.randint(0, len(labels), (settings.batch_size,), device=device)
         noisy = objective.noisy(images[idx])
-        out = model(**transformer_inputs("dit", model, noisy.model_input, noisy.timestep, {"class_label": labels[idx]}))
-        loss = objective.loss(model_output(out), noisy)
+        inputs = transformer_inputs("dit", model, noisy.model_input, noisy.timestep, {"class_label": labels[idx]})
+        out = model_output(model(**inputs))
+        loss = objective.loss(out, noisy)
+        if teacher is not None:
+            with torch.no_grad():
+                target = model_output(teacher(**inputs))
+            loss = loss + (out - target).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
