@@ -9,6 +9,7 @@ Training from the cache then skips the VAE and the text encoder. Every process o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -75,16 +76,30 @@ def precompute(config, out_dir, accelerator) -> dict:
             continue
         encoded = conditioning.encode_batch(batch, pipe, recipe.text, config.max_sequence_length, device)
         for j, index in enumerate(batch["index"].tolist()):
-            sample = {k: v[j].contiguous().cpu() for k, v in encoded.items()}
-            save_file(sample, str(out / f"{index:09d}.safetensors"))
+            save_sample(out, index, {k: v[j] for k, v in encoded.items()})
             written += 1
     unreadable = skipped.sync(accelerator)
+    samples = int(accelerator.reduce(torch.tensor(written, device=device), "sum"))
+    return finish_cache(out, config, family, recipe.video,
+                        conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, recipe.video),
+                        accelerator, samples=samples, unreadable=unreadable)
+
+
+def save_sample(out: Path, index: int, sample: dict) -> None:
+    """One cache sample, written under a temporary name first: a sample file is complete or absent."""
+    tmp = out / f".{index:09d}.partial"
+    save_file({k: v.contiguous().cpu() for k, v in sample.items()}, str(tmp))
+    os.replace(tmp, out / f"{index:09d}.safetensors")
+
+
+def finish_cache(out: Path, config, family: str, video: bool, latent_shape, accelerator, **facts) -> dict:
+    """Write cache.json, last, which marks the cache complete; returns what it holds."""
     info = {"family": family, "pretrained": str(config.pretrained), "resolution": list(config.resolution),
-            "video": recipe.video, "latent_shape": conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, recipe.video),
-            "samples": int(accelerator.reduce(torch.tensor(written, device=device), "sum")), "unreadable": unreadable}
-    if recipe.video:
+            "video": video, "latent_shape": list(latent_shape), **facts}
+    if video:
         info["num_frames"] = config.num_frames
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (out / CACHE_INDEX).write_text(json.dumps(info, indent=1))  # last: marks the cache complete
+        (out / CACHE_INDEX).write_text(json.dumps(info, indent=1))
     accelerator.wait_for_everyone()
     return info

@@ -13,12 +13,9 @@ process writes its share (i mod world) one file at a time, so an interrupted run
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .. import persistence
@@ -27,6 +24,7 @@ from ..evaluation.sampling import SamplingSettings, call_kwargs, family_name, re
 from . import conditioning
 from .data import CACHE_INDEX
 from .families import recipe_for
+from .precompute import finish_cache, save_sample
 
 
 @contextlib.contextmanager
@@ -96,18 +94,7 @@ def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | N
         else:
             cond["class_label"] = torch.tensor(kwargs["class_labels"])
         for j, index in enumerate(indices):
-            sample = {"latents_mean": latents[j], **{k: v[j] for k, v in cond.items()}}
-            tmp = out / f".{index:09d}.partial"
-            save_file({k: v.contiguous().cpu() for k, v in sample.items()}, str(tmp))
-            os.replace(tmp, out / f"{index:09d}.safetensors")  # a sample file is complete or absent
-    accelerator.wait_for_everyone()
-    info = {"family": family, "pretrained": str(config.pretrained), "resolution": list(config.resolution),
-            "video": recipe.video, "latent_shape": shape, "samples": num_samples,
-            "unreadable": 0, "teacher": {"prompts": prompts_file, "steps": steps, "guidance_scale": guidance_scale,
-                                         "seed": config.seed}}
-    if recipe.video:
-        info["num_frames"] = config.num_frames
-    if accelerator.is_main_process:
-        (out / CACHE_INDEX).write_text(json.dumps(info, indent=1))  # last: marks the cache complete
-    accelerator.wait_for_everyone()
-    return info
+            save_sample(out, index, {"latents_mean": latents[j], **{k: v[j] for k, v in cond.items()}})
+    teacher = {"prompts": prompts_file, "steps": steps, "guidance_scale": guidance_scale, "seed": config.seed}
+    return finish_cache(out, config, family, recipe.video, shape, accelerator, samples=num_samples, unreadable=0,
+                        teacher=teacher)
