@@ -186,12 +186,12 @@ def from_pretrained(path, torch_dtype=None, **kwargs):
     with _damaged_files_named(path):
         dtype = parse_dtype(torch_dtype) or saved_dtype(path / next(iter(converted)))
         models = {name: class_named(cfg["_class_name"]).from_pretrained(path / name, dtype=dtype)
-                  for name, cfg in converted.items()}
+                  for name, cfg in converted.items() if name not in kwargs}  # components passed in are not loaded
         if "" in models:
             return models[""]
         import diffusers
 
-        return diffusers.DiffusionPipeline.from_pretrained(path, dtype=dtype, **models, **kwargs)
+        return diffusers.DiffusionPipeline.from_pretrained(path, dtype=dtype, **{**models, **kwargs})
 
 
 @contextlib.contextmanager
