@@ -12,7 +12,6 @@ process writes its share (i mod world) one file at a time, so an interrupted run
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -20,27 +19,12 @@ from tqdm.auto import tqdm
 
 from .. import persistence
 from ..conversion import is_converted
+from ..evaluation.compare import capture_latents  # what the pipeline hands to vae.decode (DiT has no latent output)
 from ..evaluation.sampling import SamplingSettings, call_kwargs, family_name, read_prompts
 from . import conditioning
 from .data import CACHE_INDEX
 from .families import recipe_for
 from .precompute import finish_cache, save_sample
-
-
-@contextlib.contextmanager
-def decoded_latents(vae):
-    """Record what the pipeline hands to `vae.decode` (DiTPipeline has no latent output)."""
-    seen, decode = [], vae.decode
-
-    def recording(z, *args, **kwargs):
-        seen.append(z.detach())
-        return decode(z, *args, **kwargs)
-
-    vae.decode = recording
-    try:
-        yield seen
-    finally:
-        del vae.decode
 
 
 def normalized(vae, z: torch.Tensor) -> torch.Tensor:
@@ -81,7 +65,7 @@ def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | N
     batches = [mine[j:j + config.train_batch_size] for j in range(0, len(mine), config.train_batch_size)]
     for indices in tqdm(batches, desc="teacher samples", disable=not accelerator.is_local_main_process):
         kwargs = call_kwargs(pipe, indices, settings)
-        with decoded_latents(pipe.vae) as seen, torch.inference_mode():
+        with capture_latents(pipe) as seen, torch.inference_mode():
             pipe(**kwargs)
         latents = normalized(pipe.vae, seen[-1])
         if list(latents.shape[1:]) != shape:
