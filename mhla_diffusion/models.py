@@ -145,10 +145,10 @@ def migrate_mixing(model, state_dict: dict, where) -> None:
     lives on `mix_blocks`: the saved matrix of that grid, else the largest saved one resampled to it,
     else the init (a grid never run had none saved). Says so in one line."""
     saved: dict[str, dict] = {}
-    for key in [k for k in state_dict if LEGACY_MIXING.match(k)]:
-        m = LEGACY_MIXING.match(key)
-        blocks = tuple(int(n) for n in m["blocks"].split("x"))
-        saved.setdefault(m["layer"], {})[blocks] = state_dict.pop(key)
+    for m in [LEGACY_MIXING.match(k) for k in list(state_dict)]:
+        if m:
+            blocks = tuple(int(n) for n in m["blocks"].split("x"))
+            saved.setdefault(m["layer"], {})[blocks] = state_dict.pop(m.string)
     names = {id(m): n for n, m in model.named_modules()}
     how = set()
     for attn in self_attentions(model):
@@ -168,4 +168,5 @@ def migrate_mixing(model, state_dict: dict, where) -> None:
         how.add(what)
     log.warning("%s: MHLA mixing logits in the 0.1 format (one matrix per block grid) migrated to one matrix per layer "
                 "on block grid %s (%s); save_pretrained again to store the new format", where,
-                "x".join(map(str, target)) if how else "-", ", ".join(sorted(how)) or "no converted layer")
+                "x".join(map(str, model.config[conversion.CONFIG_KEY]["mix_blocks"])),
+                ", ".join(sorted(how)) or "no converted layer")

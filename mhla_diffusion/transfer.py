@@ -150,12 +150,12 @@ def transfer(obj, config, run_teacher, keep: int, steps: int, lr: float, project
     models = transformers_of(obj)
     device = next(iter(models.values())).device
     configs = {name: resolve_config(m, config) for name, m in models.items()}
-    todo = {}  # layer key -> (component, attention module), the layers to convert
+    todo = {}  # layer key -> (component, module path, attention module), the layers to convert
     for name, m in models.items():
         names = {id(a): n for n, a in m.named_modules()}
         attns = self_attentions(m)
         for i in configs[name].converted_layers(len(attns)):
-            todo[layer_key(name, names[id(attns[i])])] = (name, attns[i])
+            todo[layer_key(name, names[id(attns[i])])] = (name, names[id(attns[i])], attns[i])
     keys = list(todo)
     passes = [keys[j:j + (layers_per_pass or len(keys))] for j in range(0, len(keys), layers_per_pass or len(keys))]
     fits, fitted = [], {}
@@ -164,7 +164,7 @@ def transfer(obj, config, run_teacher, keep: int, steps: int, lr: float, project
         with record_self_attention(models, keep, seed, only=set(group)) as calls:
             run_teacher()
         for key in group:
-            name, attn = todo[key]
+            name, _, attn = todo[key]
             if not calls[key]:
                 raise ValueError(f"{key} was never called while sampling: nothing to fit it on")
             proc = new_processor(family_of(models[name]), attn, configs[name], TokenGrid())
@@ -178,11 +178,10 @@ def transfer(obj, config, run_teacher, keep: int, steps: int, lr: float, project
     bar.close()
     originals = {name: attn_processors(m) for name, m in models.items()}
     convert(obj, config)
-    for key, (name, attn) in todo.items():
+    for key, (_, _, attn) in todo.items():
         attn.load_state_dict(fitted[key])  # cast to the model's dtype
     for fit in sorted(fits, key=lambda f: f.after)[len(fits) - keep_softmax_worst:] if keep_softmax_worst else []:
-        name, attn = todo[fit.name]
-        path = {id(a): n for n, a in models[name].named_modules()}[id(attn)]
+        name, path, _ = todo[fit.name]
         procs = attn_processors(models[name])
         procs[f"{path}.processor"] = originals[name][f"{path}.processor"]
         set_attn_processor(models[name], procs)
