@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..blocks import resolve_blocks
 from ..conversion import mhla_modules
+from ..processors import MHLAProcessorBase
 
 
 @dataclass
@@ -58,3 +60,45 @@ def record_attention(transformer, call: int = -1):
     finally:
         for proc in modules.values():
             del proc.attend
+
+
+@contextlib.contextmanager
+def record_projections(attentions: dict, call: int = -1):
+    """Record q, k of any self-attention modules (softmax or MHLA) from their `to_q`, `to_k`
+    outputs at call `call` (0-based; -1: the last), so softmax, linear and MHLA models are read
+    the same way. `attentions` maps names to diffusers `Attention` modules on a square token grid;
+    MHLA layers capture their block grid and mixing matrix, softmax layers one block. Yields
+    {name: LayerCapture}, filled as calls run."""
+    captures, calls, handles = {}, dict.fromkeys(attentions, 0), []
+
+    def hook(name, attn):
+        seen = {}
+
+        def on_q(module, args, out):
+            seen["q"] = out
+
+        def on_k(module, args, out):
+            if call < 0 or calls[name] == call:
+                b, n, _ = out.shape
+                cpu = lambda t: t[0].view(n, attn.heads, -1).detach().float().cpu()  # noqa: E731
+                proc = attn.processor
+                if isinstance(proc, MHLAProcessorBase):
+                    grid = proc.current_grid(n)
+                    blocks = resolve_blocks(grid, proc.config.blocks)
+                    mix, feature = proc.mixing(blocks).detach().float().cpu(), proc.config.feature
+                else:
+                    side = math.isqrt(n)
+                    grid, blocks, mix, feature = (1, side, side), (1, 1, 1), torch.ones(1, 1), "relu"
+                captures[name] = LayerCapture(cpu(seen["q"]), cpu(out), grid, blocks, mix, None, feature)
+            calls[name] += 1
+
+        handles.append(attn.to_q.register_forward_hook(on_q))
+        handles.append(attn.to_k.register_forward_hook(on_k))
+
+    for name, attn in attentions.items():
+        hook(name, attn)
+    try:
+        yield captures
+    finally:
+        for h in handles:
+            h.remove()

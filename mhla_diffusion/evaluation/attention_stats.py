@@ -29,16 +29,22 @@ def rows_normalized(weights: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
 
 
-def attention_matrices(cap: LayerCapture, query_rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The three (heads, n_queries, N) float64 matrices of one layer."""
+def attention_matrices(cap: LayerCapture, query_rows: torch.Tensor, kinds=KINDS) -> dict[str, torch.Tensor]:
+    """The (heads, n_queries, N) float64 matrices of one layer, of each of `kinds`."""
     q, k = cap.q.double(), cap.k.double()
-    phi = feature_map(cap.feature)
-    rq, rk = (apply_rope(q, cap.rope), apply_rope(k, cap.rope)) if cap.rope is not None else (q, k)
-    logits = torch.einsum("nhd,jhd->hnj", rq[query_rows], rk) / math.sqrt(q.shape[-1])
-    kernel = torch.einsum("nhd,jhd->hnj", phi(q)[query_rows], phi(k))
-    block = block_layout(cap.grid, cap.blocks).token_block
-    mix = cap.mix.double()[block[query_rows]][:, block]
-    return {"softmax": logits.softmax(-1), "linear": rows_normalized(kernel), "mhla": rows_normalized(mix * kernel)}
+    out = {}
+    if "softmax" in kinds:
+        rq, rk = (apply_rope(q, cap.rope), apply_rope(k, cap.rope)) if cap.rope is not None else (q, k)
+        out["softmax"] = (torch.einsum("nhd,jhd->hnj", rq[query_rows], rk) / math.sqrt(q.shape[-1])).softmax(-1)
+    if "linear" in kinds or "mhla" in kinds:
+        phi = feature_map(cap.feature)
+        kernel = torch.einsum("nhd,jhd->hnj", phi(q)[query_rows], phi(k))
+        if "linear" in kinds:
+            out["linear"] = rows_normalized(kernel)
+        if "mhla" in kinds:
+            block = block_layout(cap.grid, cap.blocks).token_block
+            out["mhla"] = rows_normalized(cap.mix.double()[block[query_rows]][:, block] * kernel)
+    return out
 
 
 def numerical_rank(a: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -54,12 +60,12 @@ def row_entropy(a: torch.Tensor) -> torch.Tensor:
     return (h * alive).sum(-1) / alive.sum(-1).clamp_min(1)
 
 
-def layer_stats(cap: LayerCapture, rtol: float = 1e-6, max_queries: int = 1024) -> dict:
+def layer_stats(cap: LayerCapture, rtol: float = 1e-6, max_queries: int = 1024, kinds=KINDS) -> dict:
     n, heads, d = cap.q.shape
     query_rows = torch.arange(0, n, max(1, math.ceil(n / max_queries)))
     stats = {"tokens": n, "heads": heads, "head_dim": d, "grid": list(cap.grid), "blocks": list(cap.blocks),
              "num_blocks": math.prod(cap.blocks), "queries": len(query_rows), "max_entropy": math.log(n)}
-    for kind, a in attention_matrices(cap, query_rows).items():
+    for kind, a in attention_matrices(cap, query_rows, kinds).items():
         stats[f"{kind}_rank"] = numerical_rank(a, rtol).double().mean().item()
         stats[f"{kind}_entropy"] = row_entropy(a).mean().item()
     return stats
