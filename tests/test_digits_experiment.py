@@ -27,12 +27,16 @@ def run(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def toy_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits")
-    done = run("--preset", "toy", "--out", out, "--device", "cpu", "--no-progress")
+def toy_outputs(out: Path, preset: str) -> tuple[Path, str]:
+    """A preset's whole run on CPU into `out`: (out, its stdout)."""
+    done = run("--preset", preset, "--out", out, "--device", "cpu", "--no-progress")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out, done.stdout
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    return toy_outputs(tmp_path_factory.mktemp("digits"), "toy")
 
 
 def test_toy_run_writes_every_output(toy_run):

@@ -1,5 +1,9 @@
 """Does conversion keep quality? Softmax vs plain linear attention (M = 1) vs MHLA on real digits.
 
+With `mosaic` m > 1 every image is an m x m mosaic of real scans (one of ten fixed layouts of
+digits, the class label; each cell a scan drawn at random), so each region of the canvas must
+attend to its own content, and samples are scored per cell.
+
 1. a digit classifier on the real train scans (FID features, sample accuracy);
 2. a class-conditional softmax DiT pre-trained from scratch once (seed 0), reused by every seed;
 3. per seed: copies converted to linear attention and to MHLA, each scored right after
@@ -26,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..config import parse_blocks
@@ -34,7 +39,7 @@ from ..evaluation.store import pin_settings
 from ..training.model import mixing_drift
 from . import classifier as clf
 from . import pixel_dit, report
-from .digits_data import NUM_CLASSES, load_digits, to_uint8_rgb
+from .digits_data import NUM_CLASSES, Digits, compose_mosaics, layouts, load_digits, split_cells, to_uint8_rgb
 
 PRETRAIN_SEED = 0
 
@@ -63,6 +68,13 @@ class Settings:
     data_free: bool = False  # also per seed: attention transfer and teacher-only fine-tuning, no scans (linear, MHLA)
     transfer_steps: int = 300  # attention transfer: optimizer steps per layer
     teacher_samples: int = 1000  # teacher-only fine-tuning: the teacher's own samples it trains on
+    mosaic: int = 1  # cells per side: images are m x m mosaics of (resolution / m)-pixel scans, scored per cell
+    hybrid: int = 0  # K >= 2: also the MHLA hybrid (every K-th layer keeps softmax); 0: no hybrid variant
+    diagnostic: bool = False  # attention rank and entropy per layer of the first seed's fine-tuned models
+
+    @property
+    def cell_resolution(self) -> int:
+        return self.resolution // self.mosaic
 
     def model_size(self) -> pixel_dit.ModelSize:
         return pixel_dit.ModelSize(self.layers, self.heads, self.head_dim, self.patch_size)
@@ -75,7 +87,11 @@ class Settings:
 
 # Settings added after runs were made: left out of a run's pinned settings while at these defaults,
 # so such a run (which used them implicitly) can still be resumed.
-LATER_DEFAULTS = {"mhla_lr": 0.0, "data_free": False, "transfer_steps": 300, "teacher_samples": 1000}
+LATER_DEFAULTS = {"mhla_lr": 0.0, "data_free": False, "transfer_steps": 300, "teacher_samples": 1000,
+                  "mosaic": 1, "hybrid": 0, "diagnostic": False}
+
+MOSAIC_TRAIN = 20_000  # mosaics composed once from the train scans (the diffusion model's training set)
+MOSAIC_REFERENCE = 5_000  # of them, the reference of the whole-image FID
 
 
 PRESETS = {
@@ -89,25 +105,52 @@ PRESETS = {
                     pretrain_steps=12, finetune_steps=6, batch_size=16, pretrain_lr=1e-3, finetune_lr=1e-3,
                     warmup=4, ema_decay=0.9, classifier_steps=30, samples=20, sampling_steps=3,
                     guidance=1.5, seeds=(0, 1)),
+    # 1,024 tokens: 4 x 4 mosaics of the native 8x8 scans on a 32x32 canvas, patch 1; sized for one H200
+    # in about 10 minutes from steps timed there on 2026-12-01 (batch 256: softmax 129 ms, linear 49,
+    # MHLA 47, hybrid 67; 500 samples x 50 DDIM steps: softmax 7.4 s, MHLA 2.5 s). 4,096 tokens does
+    # not fit: a softmax step at 64x64 took 0.8 s at batch 128.
+    # MHLA on 4 x 4 = 16 blocks (M^2 = 256 <= N = 1,024, the digits preset's grid, which here also
+    # coincides with the 4 x 4 cells); MHLA parameters at 16x the rate (logits of a row-softmax over
+    # M = 16 entries: the paper's step on Mc ~ 1/M is a relative change of about M x lr).
+    "mosaic-full": Settings(resolution=32, patch_size=1, layers=4, heads=4, head_dim=32, mhla_blocks=(1, 4, 4),
+                            pretrain_steps=2000, finetune_steps=600, batch_size=128, pretrain_lr=3e-4, finetune_lr=3e-4,
+                            warmup=200, ema_decay=0.999, classifier_steps=2000, samples=500, sampling_steps=25,
+                            guidance=1.5, seeds=(0, 1, 2), mhla_lr=5e-3, mosaic=4, hybrid=3, diagnostic=True),
+    # CI on a CPU: 2 x 2 mosaics of 8x8 scans (256 tokens), three layers so the hybrid keeps one softmax.
+    "mosaic-toy": Settings(resolution=16, patch_size=1, layers=3, heads=2, head_dim=8, mhla_blocks=(1, 2, 2),
+                           pretrain_steps=8, finetune_steps=4, batch_size=8, pretrain_lr=1e-3, finetune_lr=1e-3,
+                           warmup=2, ema_decay=0.9, classifier_steps=20, samples=20, sampling_steps=2,
+                           guidance=1.5, seeds=(0, 1), mhla_lr=1e-2, mosaic=2, hybrid=3, diagnostic=True),
 }
 
 VARIANTS = ("softmax", "linear", "mhla")
 
 
+def variants(settings: Settings) -> tuple:
+    return VARIANTS + (("hybrid",) if settings.hybrid else ())
+
+
 def variant_blocks(settings: Settings) -> dict:
-    return {"softmax": None, "linear": (1, 1, 1), "mhla": tuple(settings.mhla_blocks)}
+    blocks = {"softmax": None, "linear": (1, 1, 1), "mhla": tuple(settings.mhla_blocks), "hybrid": tuple(settings.mhla_blocks)}
+    return {v: blocks[v] for v in variants(settings)}
+
+
+def variant_layers(settings: Settings, variant: str) -> str:
+    return f"hybrid:{settings.hybrid}" if variant == "hybrid" else "all"
 
 
 def variant_labels(settings: Settings) -> dict:
     m = math.prod(settings.mhla_blocks)
-    return {"softmax": "softmax", "linear": "linear (one block)", "mhla": f"MHLA ({m} blocks)"}
+    labels = {"softmax": "softmax", "linear": "linear (one block)", "mhla": f"MHLA ({m} blocks)",
+              "hybrid": f"MHLA hybrid ({m} blocks, 1 in {settings.hybrid} layers softmax)"}
+    return {v: labels[v] for v in variants(settings)}
 
 
 def table_rows(settings: Settings) -> list[tuple[str, str, int, str]]:
     labels, blocks = variant_labels(settings), variant_blocks(settings)
     m = {v: "—" if b is None else str(math.prod(b)) for v, b in blocks.items()}
-    first = [(f"{labels[v]}{' (pre-trained)' if v == 'softmax' else ', converted'}", m[v], 0, f"{v}/converted") for v in VARIANTS]
-    rows = first + [(f"{labels[v]}, fine-tuned", m[v], settings.finetune_steps, f"{v}/finetuned") for v in VARIANTS]
+    first = [(f"{labels[v]}{' (pre-trained)' if v == 'softmax' else ', converted'}", m[v], 0, f"{v}/converted") for v in labels]
+    rows = first + [(f"{labels[v]}, fine-tuned", m[v], settings.finetune_steps, f"{v}/finetuned") for v in labels]
     if settings.data_free:
         rows += [row for v in DATA_FREE for row in (
             (f"{labels[v]}, attention transfer (no scans)", m[v], 0, f"{v}/transferred"),
@@ -121,7 +164,8 @@ DATA_FREE = ("linear", "mhla")
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python recipes/experiments/digits.py", description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="full", help="sizes and steps (default: full, for one GPU)")
-    p.add_argument("--out", type=Path, default=Path("outputs/digits"), help="output dir; a rerun resumes there")
+    p.add_argument("--out", type=Path, default=None, help="output dir; a rerun resumes there (default: outputs/digits, "
+                   "outputs/<preset> for the mosaic presets)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     kinds = {"int": int, "float": float, "tuple": lambda text: tuple(int(x) for x in text.split(",")),
@@ -131,6 +175,7 @@ def parse_args(argv):
         presets = ", ".join(f"{name}: {getattr(preset, f.name)}" for name, preset in PRESETS.items())
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"({presets})")
     args = p.parse_args(argv)
+    args.out = args.out or Path("outputs/digits" if args.preset in ("full", "toy") else f"outputs/{args.preset}")
     overrides = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name) is not None}
     try:
         settings = replace(PRESETS[args.preset], **overrides)
@@ -157,6 +202,10 @@ def check(s: Settings) -> None:
         raise ValueError("seeds is empty")
     if s.resolution % s.patch_size:
         raise ValueError(f"resolution {s.resolution} is not a multiple of patch size {s.patch_size}")
+    if s.mosaic < 1 or s.resolution % s.mosaic or s.cell_resolution < 8:
+        raise ValueError(f"mosaic {s.mosaic} must divide resolution {s.resolution} into cells of at least the scans' 8 pixels")
+    if s.hybrid and not 2 <= s.hybrid <= s.layers:
+        raise ValueError(f"hybrid {s.hybrid} must be 0 (no hybrid variant) or in 2..layers ({s.layers}): every K-th layer keeps softmax")
     if isinstance(s.mhla_blocks, str):
         raise ValueError("mhla_blocks must be an explicit block grid here, e.g. 1,4,4")
     side = s.resolution // s.patch_size
@@ -193,18 +242,39 @@ class Results:
 
 
 class Judge:
-    """Scores samples: FID on the classifier's features against the real train scans, and the
-    classifier's accuracy against the requested classes."""
+    """Scores samples per cell: FID on the classifier's features against the real train scans, and
+    the classifier's accuracy against the requested digits (plain digits: one cell, the image).
 
-    def __init__(self, classifier, resolution: int, reference_images: torch.Tensor, device):
-        self.classifier, self.device = classifier, device
-        self.feature = clf.FIDFeatures(classifier, resolution)
-        self.reference = fidlib.tensor_stats(to_uint8_rgb(reference_images), self.feature, device=device)
+    Mosaics are also scored whole: FID of the concatenated per-cell logits (m^2 x 10 features)
+    against mosaics composed from the train scans. That space sees what per-cell scores cannot: which
+    digit stands where, jointly (a cell copying its neighbour, one layout's digits bleeding into
+    another's); each cell's style is left to the cell FID. Inception features would read 32x32 grey
+    mosaics as upscaled noise."""
+
+    def __init__(self, classifier, s: Settings, reference_cells: torch.Tensor, device, reference_mosaics=None):
+        self.classifier, self.device, self.mosaic = classifier, device, s.mosaic
+        self.feature = clf.FIDFeatures(classifier, s.cell_resolution)
+        self.reference = fidlib.tensor_stats(to_uint8_rgb(reference_cells), self.feature, device=device)
+        self.layouts = layouts(s.mosaic)
+        if s.mosaic > 1:
+            self.reference_mosaics = self.mosaic_stats(reference_mosaics)
+
+    @torch.no_grad()
+    def mosaic_stats(self, images: torch.Tensor) -> fidlib.FeatureStats:
+        cells = split_cells(to_uint8_rgb(images)[:, :1].float() / 127.5 - 1.0, self.mosaic)  # the samples' uint8 path
+        logits = torch.cat([self.classifier(chunk.to(self.device)).cpu() for chunk in cells.split(4000)])
+        features = logits.reshape(len(images), -1).double().numpy()
+        return fidlib.FeatureStats(features.mean(0), np.cov(features, rowvar=False), len(images))
 
     def score(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
-        fake = fidlib.tensor_stats(to_uint8_rgb(images), self.feature, device=self.device)
-        return {"fid": fidlib.frechet_distance(self.reference, fake), "accuracy": clf.accuracy(self.classifier, images, labels),
-                "n": len(labels)}
+        cells, cell_labels = split_cells(images, self.mosaic), self.layouts[labels].flatten()
+        fake = fidlib.tensor_stats(to_uint8_rgb(cells), self.feature, device=self.device)
+        scores = {"fid": fidlib.frechet_distance(self.reference, fake), "accuracy": clf.accuracy(self.classifier, cells, cell_labels),
+                  "n": len(labels)}
+        if self.mosaic > 1:
+            scores["image_fid"] = fidlib.frechet_distance(self.reference_mosaics, self.mosaic_stats(images))
+            scores["cells"] = len(cell_labels)
+        return scores
 
 
 @contextlib.contextmanager
@@ -247,6 +317,39 @@ def pretrain_phase(out: Path, digits, s: Settings, results: Results, device, pro
     return model
 
 
+def save_samples(path: Path, images, labels, s: Settings) -> None:
+    """Plain digits: 10 per class; mosaics: 4 per layout, each pixel drawn 3 x 3."""
+    report.save_grid(path, images, labels, *((4, 3 * s.resolution) if s.mosaic > 1 else ()))
+
+
+def attention_diagnostic(model, s: Settings, seed: int) -> list[dict]:
+    """The paper's diagnostic on one model: per layer, the numerical rank and row entropy of the
+    attention it computes (softmax, linear or MHLA, read off its own q and k) on all N queries, at
+    the last denoising step of one sample of layout 0."""
+    from ..evaluation.attention_capture import record_projections
+    from ..evaluation.attention_stats import layer_stats
+    from ..processors import MHLAProcessorBase
+
+    attentions = {str(i): block.attn1 for i, block in enumerate(model.transformer_blocks)}
+    with record_projections(attentions) as captures:
+        pixel_dit.sample(model, torch.zeros(1, dtype=torch.long), s.sampling_steps, s.guidance, seed + 3000)
+    rows = []
+    for i, cap in captures.items():
+        mhla = isinstance(attentions[i].processor, MHLAProcessorBase)
+        kind = "softmax" if not mhla else ("linear" if math.prod(cap.blocks) == 1 else "mhla")
+        stats = layer_stats(cap, max_queries=cap.q.shape[0], kinds=(kind,))
+        rows.append({"layer": int(i), "kind": kind, "rank": stats[f"{kind}_rank"], "entropy": stats[f"{kind}_entropy"],
+                     "tokens": stats["tokens"], "head_dim": stats["head_dim"], "num_blocks": stats["num_blocks"],
+                     "max_entropy": stats["max_entropy"]})
+    return rows
+
+
+def mixing_change(model) -> dict:
+    """`mixing_drift` read on a CPU copy: MixingMatrices.drift compares with an init kept on the CPU
+    and fails on a CUDA model."""
+    return mixing_drift(copy.deepcopy(model).cpu())
+
+
 def curve(losses: list[float]) -> dict:
     every = max(1, len(losses) // 250)
     return {"every": every, "loss": report.smooth(losses, every)}
@@ -259,7 +362,7 @@ def evaluate(results: Results, judge: Judge, model, key: str, seed: int, s: Sett
         images = pixel_dit.sample(model, labels, s.sampling_steps, s.guidance, seed)
         scores = judge.score(images, labels)
     if seed == s.seeds[0]:
-        report.save_grid(out / f"samples_{key.replace('/', '_')}.png", images, labels)
+        save_samples(out / f"samples_{key.replace('/', '_')}.png", images, labels, s)
     results.add_run(key, seed, {**scores, **extra})
     print(f"[digits] {key} seed {seed}: FID {scores['fid']:.3f}, accuracy {scores['accuracy']:.3f}", flush=True)
 
@@ -269,7 +372,7 @@ def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Resu
     for variant, blocks in variant_blocks(s).items():
         if results.done(f"{variant}/converted", seed) and results.done(f"{variant}/finetuned", seed):
             continue
-        model = pixel_dit.converted_copy(base, blocks)
+        model = pixel_dit.converted_copy(base, blocks, variant_layers(s, variant))
         if not results.done(f"{variant}/converted", seed):
             evaluate(results, judge, model, f"{variant}/converted", seed, s, out, {"finetune_steps": 0})
         if not results.done(f"{variant}/finetuned", seed):
@@ -277,8 +380,11 @@ def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Resu
                 losses = pixel_dit.train(model, digits.train_images, digits.train_labels, s.train_settings("finetune"),
                                          seed, f"finetune {labels[variant]} seed {seed}", progress)
             results.data["curves"][f"{variant}/seed{seed}"] = curve(losses)
+            if s.diagnostic and seed == s.seeds[0]:
+                with timed(results, "attention diagnostic"):
+                    results.data.setdefault("attention", {})[variant] = attention_diagnostic(model, s, seed)
             evaluate(results, judge, model, f"{variant}/finetuned", seed, s, out,
-                     {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
+                     {"finetune_steps": s.finetune_steps, **mixing_change(model)})
         del model
     if s.data_free:
         data_free_phase(base, judge, seed, s, results, out, progress)
@@ -313,13 +419,30 @@ def data_free_phase(base, judge: Judge, seed: int, s: Settings, results: Results
                                      f"teacher-only {labels[variant]} seed {seed}", progress, teacher=base)
         results.data["curves"][f"{variant}_teacher/seed{seed}"] = curve(losses)
         evaluate(results, judge, model, f"{variant}/teacher", seed, s, out,
-                 {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
+                 {"finetune_steps": s.finetune_steps, **mixing_change(model)})
         del model
 
 
 def write_report(out: Path, s: Settings, results: Results) -> None:
     (out / "results.md").write_text(report.results_markdown(results.data, table_rows(s)))
     report.plot_losses(out / "loss_curves.png", results.data["curves"], variant_labels(s))
+    if results.data.get("attention"):
+        report.plot_attention(out / "attention.png", results.data["attention"], variant_labels(s))
+    if s.mosaic > 1:
+        names = ["real", *(key.replace("/", "_") for *_, key in table_rows(s))]
+        report.sample_sheet(out / "samples.png", [(out / f"samples_{n}.png", n.replace("_", " ")) for n in names])
+
+
+def load_data(s: Settings) -> tuple[Digits, Digits]:
+    """(scans, images): the scans at cell size, and what the diffusion model learns and is judged
+    against: the scans themselves, or mosaics of them (train: from the train scans; held-out: as
+    many as an evaluation's samples, from the held-out scans, layouts balanced)."""
+    scans = load_digits(s.cell_resolution)
+    if s.mosaic == 1:
+        return scans, scans
+    train_ids, test_ids = torch.arange(MOSAIC_TRAIN) % NUM_CLASSES, torch.arange(s.samples) % NUM_CLASSES
+    return scans, Digits(compose_mosaics(scans.train_images, scans.train_labels, train_ids, s.mosaic, seed=1), train_ids,
+                         compose_mosaics(scans.test_images, scans.test_labels, test_ids, s.mosaic, seed=2), test_ids)
 
 
 def main(argv=None) -> int:
@@ -344,14 +467,16 @@ def main(argv=None) -> int:
     results = Results(out / "results.json", header)
 
     with timed(results, "data"):
-        digits = load_digits(s.resolution)
-    classifier = classifier_phase(out, digits, s, results, device, progress)
-    test_acc = clf.accuracy(classifier, digits.test_images, digits.test_labels)
-    judge = Judge(classifier, s.resolution, digits.train_images, device)
-    results.data["classifier"] = {"test_accuracy": test_acc, "train_n": len(digits.train_labels), "test_n": len(digits.test_labels),
+        scans, digits = load_data(s)
+    classifier = classifier_phase(out, scans, s, results, device, progress)
+    test_acc = clf.accuracy(classifier, scans.test_images, scans.test_labels)
+    judge = Judge(classifier, s, scans.train_images, device, digits.train_images[:MOSAIC_REFERENCE])
+    results.data["classifier"] = {"test_accuracy": test_acc, "train_n": len(scans.train_labels), "test_n": len(scans.test_labels),
                                   "features": judge.feature.num_features}
+    if s.mosaic > 1:
+        results.data["mosaics"] = {"train_n": MOSAIC_TRAIN, "reference_n": MOSAIC_REFERENCE, "layouts": layouts(s.mosaic).tolist()}
     results.data["real_heldout"] = judge.score(digits.test_images, digits.test_labels)
-    report.save_grid(out / "samples_real.png", digits.test_images, digits.test_labels)
+    save_samples(out / "samples_real.png", digits.test_images, digits.test_labels, s)
     print(f"[digits] classifier test accuracy {test_acc:.4f}; held-out real scans FID {results.data['real_heldout']['fid']:.3f}", flush=True)
 
     base = pretrain_phase(out, digits, s, results, device, progress)

@@ -128,12 +128,13 @@ def sample(model, labels: torch.Tensor, steps: int, guidance: float, seed: int, 
     return torch.cat(out)
 
 
-def converted_copy(model, blocks):
-    """A copy of the softmax `model` with every self-attention converted to MHLA on `blocks`
-    ((1, 1, 1): one block, plain linear attention), or an unchanged copy when `blocks` is None."""
+def converted_copy(model, blocks, layers="all"):
+    """A copy of the softmax `model` with its self-attentions `layers` ("all", or "hybrid:K": every
+    K-th keeps softmax) converted to MHLA on `blocks` ((1, 1, 1): one block, plain linear attention),
+    or an unchanged copy when `blocks` is None."""
     from ..conversion import convert, default_config
 
     twin = copy.deepcopy(model)
     if blocks is not None:
-        convert(twin, default_config(twin, blocks=blocks))
+        convert(twin, default_config(twin, blocks=blocks, layers=layers))
     return twin

@@ -34,8 +34,8 @@ def grid(images: torch.Tensor, labels: torch.Tensor, cols: int, cell: int = 48) 
     return canvas
 
 
-def save_grid(path: Path, images: torch.Tensor, labels: torch.Tensor, cols: int = 10) -> None:
-    save_png(grid(images, labels, cols), Path(path))
+def save_grid(path: Path, images: torch.Tensor, labels: torch.Tensor, cols: int = 10, cell: int = 48) -> None:
+    save_png(grid(images, labels, cols, cell), Path(path))
 
 
 def smooth(values: list[float], every: int) -> list[float]:
@@ -83,21 +83,90 @@ def plot_losses(path: Path, curves: dict, variants: dict) -> None:
     plt.close(fig)
 
 
+def plot_attention(path: Path, attention: dict, variants: dict) -> None:
+    """The global-collapse diagnostic: per layer, rank and row entropy of the attention each
+    fine-tuned model computes (hybrid: its softmax layers marked with squares)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, label in variants.items():
+        rows = attention.get(name)
+        if not rows:
+            continue
+        x = [r["layer"] for r in rows]
+        for ax, metric in zip(axes, ("rank", "entropy")):
+            line, = ax.plot(x, [r[metric] for r in rows], marker="o", label=label)
+            soft = [r for r in rows if r["kind"] == "softmax" and name != "softmax"]
+            ax.plot([r["layer"] for r in soft], [r[metric] for r in soft], "s", ms=10, mfc="none", color=line.get_color())
+    first = next(iter(attention.values()))
+    x = [r["layer"] for r in first]
+    axes[0].plot(x, [r["head_dim"] for r in first], "k--", lw=1, label="head dim D (linear's bound)")
+    axes[1].plot(x, [r["max_entropy"] for r in first], "k--", lw=1, label="log N (uniform)")
+    axes[0].set(xlabel="layer", ylabel="numerical rank (mean over heads)", yscale="log", xticks=x,
+                title=f"rank of the N x N attention (N = {first[0]['tokens']})")
+    axes[1].set(xlabel="layer", ylabel="row entropy, nats (mean over heads)", xticks=x, title="entropy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Fine-tuned models, first seed: softmax vs linear vs MHLA (squares: a hybrid's softmax layers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sample_sheet(path: Path, panels: list[tuple[Path, str]], cols: int = 5) -> None:
+    """Several sample grid PNGs side by side in one PNG at their own pixels, each under its title
+    (missing ones are skipped)."""
+    from PIL import Image, ImageDraw
+
+    images = []
+    for p, title in panels:
+        if Path(p).is_file():
+            with Image.open(p) as img:
+                images.append((np.asarray(img.convert("RGB")), title))
+    if not images:
+        return
+    h, w = max(a.shape[0] for a, _ in images), max(a.shape[1] for a, _ in images)
+    title_h, gap = 16, 12
+    rows = math.ceil(len(images) / cols)
+    canvas = Image.new("RGB", (cols * (w + gap) - gap, rows * (h + title_h + gap) - gap), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (a, title) in enumerate(images):
+        x, y = (i % cols) * (w + gap), (i // cols) * (h + title_h + gap)
+        draw.text((x + 2, y + 2), title, fill="black")
+        canvas.paste(Image.fromarray(a), (x, y + title_h))
+    save_png(np.asarray(canvas), Path(path))
+
+
+def run_lines(results: dict) -> list[str]:
+    """The card's lines about the run itself: date, card, command, time."""
+    timings = results.get("timings_s", {})
+    return [
+        f"- date (UTC): {results['date']}",
+        f"- card: {results['card']} (torch {results['torch']}, fp32 weights{', TF32 matmuls' if results['device'].startswith('cuda') else ''})",
+        f"- command: `{results['command']}`",
+        f"- time (all sessions of a resumed run): {sum(timings.values()):.0f} s in the phases ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+        + f"); the last session took {results.get('wall_s', math.nan):.0f} s",
+    ]
+
+
 def results_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> str:
     """The results table; `rows` = (label, M, fine-tune steps, key into results['runs'])."""
     s = results["settings"]
+    mosaic = s.get("mosaic", 1)
+    if mosaic > 1:
+        return mosaic_markdown(results, rows)
     real = results.get("real_heldout")
     clf = results.get("classifier", {})
     seeds = sorted({seed for runs in results["runs"].values() for seed in runs}, key=int)
     lines = [
         "# Digits experiment: does conversion keep quality?",
         "",
-        f"- date (UTC): {results['date']}",
-        f"- card: {results['card']} (torch {results['torch']}, fp32 weights{', TF32 matmuls' if results['device'].startswith('cuda') else ''})",
-        f"- command: `{results['command']}`",
-        f"- time (all sessions of a resumed run): {sum(results.get('timings_s', {}).values()):.0f} s in the phases ("
-        + ", ".join(f"{k} {v:.0f} s" for k, v in results.get("timings_s", {}).items())
-        + f"); the last session took {results['wall_s']:.0f} s",
+        *run_lines(results),
         f"- data: scikit-learn digits upscaled to {s['resolution']}x{s['resolution']}: {clf.get('train_n')} train / {clf.get('test_n')} held-out test scans",
         f"- model: DiT, {s['layers']} layers, {s['heads']} heads x {s['head_dim']}, patch {s['patch_size']} "
         f"({(s['resolution'] // s['patch_size']) ** 2} tokens), pre-trained once ({s['pretrain_steps']} steps, seed 0), "
@@ -118,4 +187,57 @@ def results_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> st
         lines.append(f"| {label} | {m} | {steps} | {mean_std(fids)} | {mean_std(accs)} |")
     lines += ["", "FID is biased upward at small n: the real row uses the held-out scans' n, the models "
               f"{s['samples']} samples, so compare the models with each other and the real row as a floor only.", ""]
+    return "\n".join(lines)
+
+
+def mosaic_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> str:
+    """The mosaic results table: per-cell FID and accuracy, whole-image FID, mixing change."""
+    s = results["settings"]
+    m, cell = s["mosaic"], s["resolution"] // s["mosaic"]
+    real, clf, mos = results.get("real_heldout"), results.get("classifier", {}), results.get("mosaics", {})
+    seeds = sorted({seed for runs in results["runs"].values() for seed in runs}, key=int)
+    tokens = (s["resolution"] // s["patch_size"]) ** 2
+    lines = [
+        f"# Mosaic experiment ({tokens:,} tokens): does conversion keep quality where local structure matters?",
+        "",
+        *run_lines(results),
+        f"- data: {m}x{m} mosaics of scikit-learn's real {cell}x{cell} digit scans on a {s['resolution']}x{s['resolution']} canvas; "
+        f"the class label picks one of 10 fixed layouts (which digit in which cell, drawn at random once), each cell a scan "
+        f"of that digit drawn at random; {mos.get('train_n')} train mosaics from the {clf.get('train_n')} train scans, "
+        f"held-out mosaics from the {clf.get('test_n')} held-out scans",
+        f"- model: DiT, {s['layers']} layers, {s['heads']} heads x {s['head_dim']}, patch {s['patch_size']} ({tokens} tokens), "
+        f"pre-trained once ({s['pretrain_steps']} steps, lr {s['pretrain_lr']}, seed 0), fine-tuned {s['finetune_steps']} steps "
+        f"per variant and seed (lr {s['finetune_lr']}, MHLA parameters {s.get('mhla_lr') or s['finetune_lr']}; seeds {', '.join(seeds)}), "
+        f"batch {s['batch_size']}; MHLA blocks {tuple(s['mhla_blocks'])}",
+        f"- samples: {s['samples']} mosaics per evaluation ({s['samples'] * m * m} cells; layouts balanced), "
+        f"DDIM {s['sampling_steps']} steps, guidance {s['guidance']}",
+        f"- digit classifier: test accuracy {clf.get('test_accuracy', math.nan):.4f} on the held-out scans. Cell FID: its "
+        f"{clf.get('features')}-d penultimate features of every cell against the train scans. Image FID: the "
+        f"{m * m} cells' classifier logits concatenated ({m * m * 10}-d) against {mos.get('reference_n')} train mosaics",
+        "",
+        "| attention | blocks M | fine-tune steps | cell FID (mean ± std) | cell accuracy (mean ± std) | image FID (mean ± std) | mixing change |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    if real:
+        lines.append(f"| real held-out mosaics (n = {real['n']}) | — | — | {real['fid']:.3f} | {real['accuracy']:.3f} | "
+                     f"{real['image_fid']:.3f} | — |")
+    for label, mm, steps, key in rows:
+        runs = list(results["runs"].get(key, {}).values())
+        drift = [r["mhla/mixing_change"] for r in runs if "mhla/mixing_change" in r]
+        lines.append(f"| {label} | {mm} | {steps} | {mean_std([r['fid'] for r in runs])} | {mean_std([r['accuracy'] for r in runs])} | "
+                     f"{mean_std([r['image_fid'] for r in runs])} | {mean_std(drift) if drift else '—'} |")
+    lines += ["", "Spread is the sample standard deviation over seeds (the softmax pre-trained row: one model, sampled with "
+              "each seed's noise). Mixing change: mean |Mc - Mc0| / mean Mc0 over converted layers after fine-tuning "
+              "(the linear variant's single 1 x 1 matrix cannot move). The real row uses as many mosaics as an evaluation, so "
+              "its FIDs are the floor at that n.", ""]
+    attention = results.get("attention")
+    if attention:
+        lines += ["Attention diagnostic (fine-tuned models, first seed; rank of the N x N attention, numerical, rtol 1e-6; "
+                  "row entropy in nats, log N = "
+                  f"{math.log(tokens):.2f}), per layer:", "",
+                  "| model | " + " | ".join(f"layer {r['layer']}" for r in next(iter(attention.values()))) + " |",
+                  "|---|" + "---|" * len(next(iter(attention.values())))]
+        for name, rs in attention.items():
+            lines.append(f"| {name} | " + " | ".join(f"{r['kind']}: rank {r['rank']:.0f}, H {r['entropy']:.2f}" for r in rs) + " |")
+        lines.append("")
     return "\n".join(lines)
