@@ -3,7 +3,11 @@
 import pytest
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.cli.bench_model import latent_shape
+from mhla_diffusion.families import family_by_name, real_model
+
+
+def latent_shape(name, resolution, frames):
+    return real_model(name)[1].latent_shape(resolution, frames)
 
 
 def test_latent_shapes_match_the_published_token_counts():
@@ -42,21 +46,21 @@ def test_profile_report_names_the_ops_of_a_call():
 def test_self_attention_removed_runs_the_block_without_attention(family, monkeypatch):
     """The bound row's processors: no MHLA op and no self-attention SDPA (cross-attention keeps its own),
     the layer's projections still run, and the model's output keeps its shape."""
+    import dataclasses
+
     import torch
 
     from mhla_diffusion import processors
-    from mhla_diffusion.cli.bench_model import REMOVED, model_inputs, variant_processors
+    from mhla_diffusion.cli.bench_model import REMOVED, variant_processors
     from mhla_diffusion.conversion import attn_processors, set_attn_processor
     from mhla_diffusion.zoo import build_transformer
 
     model = build_transformer(family)
     original = attn_processors(model)
     latent = (16, 3, 8, 8) if family == "wan" else (4, 8, 8)
-    if family == "wan":
-        kw = dict(hidden_states=torch.randn(1, *latent), timestep=torch.tensor([500]),
-                  encoder_hidden_states=torch.randn(1, 4, 16))
-    else:
-        kw = model_inputs("dit-xl-2", latent, 1, "cpu", torch.float32)
+    fam = family_by_name(family)
+    tiny_text = dataclasses.replace(next(iter(fam.real.values())), text=(4, 16) if fam.text else None)
+    kw = fam.bench_inputs(model, tiny_text, latent, 1)  # as `bench model` calls it, at the tiny model's sizes
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = []
 
