@@ -20,27 +20,8 @@ from .families import family_of, self_attentions
 
 
 def cp_plan(transformer) -> dict:
-    """Where diffusers splits the token sequence and gathers it back, for this model.
-
-    DiT and PixArt: split before the first block, gather after the last token-wise projection.
-    SANA has none: its Mix-FFN runs a 3x3 depthwise conv over the (H, W) image, which needs the
-    neighbouring rows of other ranks (a halo exchange diffusers' plans cannot express).
-    """
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
-    if transformer._cp_plan is not None:
-        return transformer._cp_plan
-    family = family_of(transformer).name
-    split = {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)}
-    gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
-    if family == "dit":
-        return {"transformer_blocks.0": split, "proj_out_2": gather}
-    if family == "pixart":
-        return {"transformer_blocks.0": split, "proj_out": gather}
-    raise ValueError(
-        f"no context-parallel plan for {family_of(transformer).class_names[0]}: its Mix-FFN convolves over the image "
-        "grid, which a contiguous token split cuts; run it on one GPU"
-    )
+    """Where diffusers splits the token sequence and gathers it back, for this model (its family says)."""
+    return family_of(transformer).cp_plan(transformer)
 
 
 def _check_self_attention(transformer) -> None:

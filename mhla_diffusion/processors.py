@@ -1,4 +1,6 @@
-"""MHLA attention processors: one class per attention behaviour, as diffusers does.
+"""The MHLA processor core, and the processor of diffusers' generic `Attention` (DiT, PixArt).
+
+Family-specific processors (SANA's, Wan's) live in their family modules (`families/`).
 
 Each processor is an nn.Module (one instance per converted layer) so its mixing matrix and
 optional output norm/gate reach `named_parameters()`, optimizers and `save_pretrained`. It
@@ -110,39 +112,3 @@ class MHLAAttnProcessor(MHLAProcessorBase):
         if attn.residual_connection:
             out = out + residual
         return out / attn.rescale_output_factor
-
-
-class MHLASanaAttnProcessor(MHLAProcessorBase):
-    """SANA's self-attention: its global ReLU linear attention becomes the blocked one."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
-        if encoder_hidden_states is not None:
-            raise ValueError("MHLASanaAttnProcessor is for self-attention; cross-attention keeps its own processor")
-        dtype = hidden_states.dtype
-        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
-        q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
-        out = self.attend(q, k, v, hidden_states).to(dtype)
-        out = attn.to_out[1](attn.to_out[0](out))
-        if dtype == torch.float16:
-            out = out.clip(-65504, 65504)
-        return out
-
-
-class MHLAWanAttnProcessor(MHLAProcessorBase):
-    """Wan2.1 self-attention (`blocks[i].attn1`): q/k RMSNorm across heads, 3D RoPE on the numerator."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("MHLAWanAttnProcessor is for unmasked self-attention; cross-attention keeps its own processor")
-        if attn.fused_projections:
-            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        else:
-            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
-        out = self.attend(q, k, v, hidden_states, rope=rotary_emb).type_as(q)
-        return attn.to_out[1](attn.to_out[0](out))

@@ -21,8 +21,8 @@ import torch
 
 from mhla_diffusion import zoo
 from mhla_diffusion.conversion import convert, default_config
-from mhla_diffusion.training.families import model_output, transformer_inputs
-from mhla_diffusion.training.objectives import FlowMatchingObjective
+from mhla_diffusion.families import family_by_name
+from mhla_diffusion.training.objectives import FlowMatchingObjective, model_output
 
 PRESETS = {  # model, latent (C, F, H, W), text tokens, MHLA blocks
     "real": ("wan2.1-1.3b", (16, 21, 60, 104), 512, (3, 5, 10)),
@@ -51,7 +51,7 @@ def measure(variant: str, preset: str, steps: int, warmup: int, device) -> dict:
         start = time.perf_counter()
         noisy = objective.noisy(x0)
         with autocast:
-            out = model_output(transformer(**transformer_inputs("wan", transformer, noisy.model_input, noisy.timestep, batch), return_dict=False))
+            out = model_output(transformer(**family_by_name("wan").transformer_inputs(transformer, noisy.model_input, noisy.timestep, batch), return_dict=False))
         loss = objective.loss(out, noisy)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 0.1)

@@ -22,7 +22,7 @@ import sys
 
 from accelerate import Accelerator
 
-from mhla_diffusion.training.config import load_config, parse_overrides
+from mhla_diffusion.training.train_config import load_config, parse_overrides
 from mhla_diffusion.training.launch import run_recipe
 from mhla_diffusion.training.precompute import precompute
 from mhla_diffusion.training.teacher_cache import write_teacher_cache

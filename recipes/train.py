@@ -8,7 +8,7 @@ trains it with the family's upstream objective (DDPM + learned variance for DiT/
 matching for SANA/Wan), optionally distilling from the unconverted model. Every random draw of
 step k comes from a seed of (seed, k, micro-batch, data-parallel rank), so a resumed run continues
 exactly as an uninterrupted one would. `--context_parallel P` splits each sample's tokens over the
-P processes (mhla_diffusion.training.sequence_parallel). A bad input ends the run with one line and
+P processes (mhla_diffusion.training.context_parallel). A bad input ends the run with one line and
 exit 2, Ctrl-C with the resume command and 130 (tracebacks with --debug or MHLA_DEBUG=1). Helpers
 live in mhla_diffusion.training.
 """
@@ -31,9 +31,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from mhla_diffusion.conversion import converted_indices
-from mhla_diffusion.training import checkpoint, conditioning, data, distill, launch, model, objectives, sequence_parallel, validation
-from mhla_diffusion.training.config import config_reference, load_config, parse_overrides, save_config
-from mhla_diffusion.training.families import model_output, recipe_for, transformer_inputs
+from mhla_diffusion.training import checkpoint, conditioning, context_parallel, data, distill, launch, model, objectives, validation
+from mhla_diffusion.training.train_config import config_reference, load_config, parse_overrides, save_config
 
 log = logging.getLogger("mhla_diffusion.train")
 WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -62,8 +61,8 @@ def main(argv=None):
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp and (cfg.distill_output or cfg.distill_layers or cfg.ema_decay or cfg.validation_steps or cfg.train_mode == "lora"):
         raise ValueError("under FSDP the recipe supports full/mhla training without distillation, EMA, LoRA or validation samples")
-    sequence_parallel.check(cfg, accelerator.num_processes, fsdp)
-    cp_size = sequence_parallel.group_size(cfg)
+    context_parallel.check(cfg, accelerator.num_processes, fsdp)
+    cp_size = context_parallel.group_size(cfg)
     data_rank = accelerator.process_index // cp_size  # the ranks of a context-parallel group draw the same numbers
     torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
     torch.manual_seed(cfg.seed)
@@ -72,19 +71,18 @@ def main(argv=None):
 
     # --- model and data (every input check happens here, before training starts)
     pipe, transformer, family = model.load_model(cfg)
-    recipe = recipe_for(family)
     validation.check_validation(cfg, family)
-    data_type = cfg.data_type if cfg.data_type != "auto" else data.detect_data_type(cfg.data_dir, recipe.video)
+    data_type = cfg.data_type if cfg.data_type != "auto" else data.detect_data_type(cfg.data_dir, family.video)
     dataset = data.build_dataset(data_type, cfg.data_dir, cfg.resolution, cfg.num_frames)
     skipped = data.SkippedFiles(dataset, cfg.max_unreadable)
     cached = data_type == "latents"
     if cached:
-        data.check_cache(dataset.info, cfg, family)
+        data.check_cache(dataset.info, cfg, family.name)
         latent_shape = tuple(dataset.info["latent_shape"])
     elif pipe is None:
         raise ValueError(f"{cfg.pretrained} is a bare transformer: raw images/videos need its pipeline (VAE, text encoder)")
     else:
-        latent_shape = conditioning.latent_shape(pipe.vae, cfg.resolution, cfg.num_frames, recipe.video)
+        latent_shape = conditioning.latent_shape(pipe.vae, cfg.resolution, cfg.num_frames, family.video)
     if len(dataset) < cfg.train_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes // cp_size:
         raise ValueError(f"{len(dataset)} samples in {cfg.data_dir} are fewer than one optimizer step consumes")
 
@@ -95,7 +93,7 @@ def main(argv=None):
     model.convert_model(transformer, model.mhla_config(transformer, cfg, latent_shape))
     params = model.set_trainable(transformer, cfg)
     if cp_size > 1:
-        sequence_parallel.enable(transformer, cfg)
+        context_parallel.enable(transformer, cfg)
     transformer.train()
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -104,10 +102,10 @@ def main(argv=None):
         layers = converted_indices(transformer)
         taps = (distill.AttentionTap(transformer, layers), distill.AttentionTap(teacher, layers))
     scheduler_config = pipe.scheduler.config if pipe is not None else None
-    objective = objectives.build_objective(cfg.objective if cfg.objective != "auto" else recipe.objective, transformer, scheduler_config, cfg)
+    objective = objectives.build_objective(cfg.objective if cfg.objective != "auto" else family.objective, transformer, scheduler_config, cfg)
     if pipe is not None and (not cached or cfg.validation_steps):
         pipe.vae.to(device)
-        if recipe.text:
+        if family.text:
             pipe.text_encoder.to(device, dtype=weight_dtype)
 
     optimizer = torch.optim.AdamW(model.param_groups(transformer, params, cfg.learning_rate, cfg.mhla_learning_rate), betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -117,7 +115,7 @@ def main(argv=None):
     loader = DataLoader(dataset, batch_size=cfg.train_batch_size, shuffle=True, drop_last=True,
                         num_workers=cfg.num_workers, collate_fn=data.collate)
     transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
-    loader = sequence_parallel.prepare_loader(accelerator, loader, cfg)
+    loader = context_parallel.prepare_loader(accelerator, loader, cfg)
     ema = None
     if cfg.ema_decay:
         ema = EMAModel(params, decay=cfg.ema_decay)
@@ -142,15 +140,15 @@ def main(argv=None):
 
     def losses_of(batch):
         if not cached:
-            batch.update(conditioning.encode_batch(batch, pipe, recipe.text, cfg.max_sequence_length, device))
+            batch.update(conditioning.encode_batch(batch, pipe, family.text, cfg.max_sequence_length, device))
         x0 = conditioning.draw_latents(batch["latents_mean"], batch.get("latents_std"))
         noisy = objective.noisy(x0)
-        inputs = transformer_inputs(family, accelerator.unwrap_model(transformer), noisy.model_input, noisy.timestep, batch)
-        out = model_output(transformer(**inputs, return_dict=False))
+        inputs = family.transformer_inputs(accelerator.unwrap_model(transformer), noisy.model_input, noisy.timestep, batch)
+        out = objectives.model_output(transformer(**inputs, return_dict=False))
         losses = {"diffusion": objective.loss(out, noisy)}
         if teacher is not None:
             with torch.no_grad(), accelerator.autocast():
-                teacher_out = model_output(teacher(**inputs, return_dict=False))
+                teacher_out = objectives.model_output(teacher(**inputs, return_dict=False))
             losses.update(distill.distill_loss(out, teacher_out, *(taps or (None, None)), cfg.distill_output, cfg.distill_layers))
         return losses
 

@@ -3,7 +3,11 @@
 import pytest
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.cli.bench_model import latent_shape
+from mhla_diffusion.families import family_by_name, real_model
+
+
+def latent_shape(name, resolution, frames):
+    return real_model(name)[1].latent_shape(resolution, frames)
 
 
 def test_latent_shapes_match_the_published_token_counts():
@@ -45,18 +49,14 @@ def test_self_attention_removed_runs_the_block_without_attention(family, monkeyp
     import torch
 
     from mhla_diffusion import processors
-    from mhla_diffusion.cli.bench_model import REMOVED, model_inputs, variant_processors
+    from mhla_diffusion.cli.bench_model import REMOVED, variant_processors
     from mhla_diffusion.conversion import attn_processors, set_attn_processor
     from mhla_diffusion.zoo import build_transformer
 
     model = build_transformer(family)
     original = attn_processors(model)
     latent = (16, 3, 8, 8) if family == "wan" else (4, 8, 8)
-    if family == "wan":
-        kw = dict(hidden_states=torch.randn(1, *latent), timestep=torch.tensor([500]),
-                  encoder_hidden_states=torch.randn(1, 4, 16))
-    else:
-        kw = model_inputs("dit-xl-2", latent, 1, "cpu", torch.float32)
+    kw = family_by_name(family).example_inputs(model, latent, 1, text_tokens=4)  # as `bench model` builds them
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = []
 

@@ -15,7 +15,7 @@ from PIL import Image
 from mhla_diffusion import zoo
 from mhla_diffusion.conversion import convert, default_config, mhla_modules
 from mhla_diffusion.training import model, objectives
-from mhla_diffusion.training.config import load_config, parse_overrides
+from mhla_diffusion.training.train_config import load_config, parse_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,7 +225,7 @@ def test_train_help_lists_every_config_key_with_type_default_and_description():
     import sys
     from dataclasses import fields
 
-    from mhla_diffusion.training.config import TrainConfig
+    from mhla_diffusion.training.train_config import TrainConfig
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "recipes" / "train.py"), "--help"], capture_output=True, text=True,

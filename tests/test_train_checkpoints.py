@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mhla_diffusion.training import checkpoint
-from mhla_diffusion.training.config import load_config
+from mhla_diffusion.training.train_config import load_config
 
 
 class OneProcess:

@@ -11,44 +11,9 @@ import time
 
 import torch
 
+from ..families import real_model, real_model_names
+from ..families.base import num_tokens
 from .profiling import kernel_profile
-
-# (latent channels, spatial VAE factor, temporal VAE factor or None for images, default resolution)
-LATENTS = {
-    "dit-xl-2": (4, 8, None, "512"),
-    "pixart-sigma": (4, 8, None, "1024"),
-    "sana-1.6b": (32, 32, None, "4096"),
-    "wan2.1-1.3b": (16, 8, 4, "480p"),
-    "wan2.1-14b": (16, 8, 4, "720p"),
-}
-VIDEO_SIZES = {"480p": (480, 832), "720p": (720, 1280)}
-TEXT = {"pixart-sigma": (300, 4096), "sana-1.6b": (300, 2304), "wan2.1-1.3b": (512, 4096), "wan2.1-14b": (512, 4096)}
-
-
-def latent_shape(family: str, resolution: str, frames: int) -> tuple:
-    channels, f, ft, _ = LATENTS[family]
-    h, w = VIDEO_SIZES.get(resolution) or (int(resolution), int(resolution))
-    if h % f or w % f:
-        raise ValueError(f"resolution {resolution} is not a multiple of the VAE factor {f}")
-    if ft is None:
-        return (channels, h // f, w // f)
-    if (frames - 1) % ft:
-        raise ValueError(f"--frames must be 4k+1 for Wan (e.g. 81), got {frames}")
-    return (channels, (frames - 1) // ft + 1, h // f, w // f)
-
-
-def model_inputs(family: str, latent: tuple, batch: int, device, dtype) -> dict:
-    x = torch.randn(batch, *latent, device=device, dtype=dtype)
-    t = torch.full((batch,), 500, device=device, dtype=torch.long)
-    if family == "dit-xl-2":
-        return dict(hidden_states=x, timestep=t, class_labels=torch.zeros(batch, dtype=torch.long, device=device))
-    n, d = TEXT[family]
-    ctx = torch.randn(batch, n, d, device=device, dtype=dtype)
-    kw = dict(hidden_states=x, timestep=t, encoder_hidden_states=ctx)
-    if family == "pixart-sigma":
-        kw["added_cond_kwargs"] = {"resolution": None, "aspect_ratio": None}
-    return kw
-
 
 def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
     """Median milliseconds of `fn` and its peak memory in GB."""
@@ -101,11 +66,11 @@ def run_model(args) -> int:
 
     if not torch.cuda.is_available():
         raise ValueError("bench model needs a CUDA GPU")
-    family = args.family
-    resolution = args.resolution or LATENTS[family][3]
-    latent = latent_shape(family, resolution, args.frames)
+    family, real = real_model(args.family)
+    resolution = args.resolution or real.resolution
+    latent = real.latent_shape(resolution, args.frames)
     t0 = time.perf_counter()
-    model = build_transformer(family, device="cuda", dtype=torch.bfloat16)
+    model = build_transformer(args.family, device="cuda", dtype=torch.bfloat16)
     original = attn_processors(model)
     variants = ["original"] + [f"mhla-{lay}" for lay in args.layers] + ([] if args.no_bound else [REMOVED])
     rows = []
@@ -116,14 +81,14 @@ def run_model(args) -> int:
         for batch, what in ((1, "forward"), (2, "CFG step (batch 2)")):
             if what.startswith("CFG") and args.no_cfg:
                 continue
-            inputs = model_inputs(family, latent, batch, "cuda", torch.bfloat16)
+            inputs = family.example_inputs(model, latent, batch, real.text_tokens)
             with torch.inference_mode():
                 ms, gb = timed(lambda: fwd(**inputs, return_dict=False), args.warmup, args.iters)
                 if args.profile and batch == 1:
                     print(f"--- profile: {name}{_compiled(args.compile)}, forward ---")
                     print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
-            rows.append(dict(family=family, resolution=resolution, frames=args.frames if len(latent) == 4 else 1,
-                             tokens=_tokens(model, latent), attention=name, what=what, compile=args.compile,
+            rows.append(dict(family=args.family, resolution=resolution, frames=args.frames if len(latent) == 4 else 1,
+                             tokens=num_tokens(model, latent), attention=name, what=what, compile=args.compile,
                              ms=round(ms, 2), peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
         del fwd
@@ -134,7 +99,7 @@ def run_model(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"\n{family} {resolution} latent {latent}, {rows[0]['tokens']} tokens, bf16, "
+        print(f"\n{args.family} {resolution} latent {latent}, {rows[0]['tokens']} tokens, bf16, "
               f"{torch.cuda.get_device_name()}, {time.perf_counter() - t0:.0f}s")
         print("| attention | what | ms | speedup | peak GB |\n|---|---|---|---|---|")
         for r in rows:
@@ -146,17 +111,10 @@ def _compiled(mode) -> str:
     return f" (compiled, {mode})" if mode else ""
 
 
-def _tokens(model, latent) -> int:
-    patch = model.config.patch_size
-    patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1, patch, patch)
-    dims = latent[1:] if len(latent) == 4 else (1, *latent[1:])
-    return dims[0] // patch[0] * (dims[1] // patch[1]) * (dims[2] // patch[2])
-
-
 def register_model_command(commands) -> None:
     p = commands.add_parser("model", help="real-size transformer: original attention vs MHLA, forward and CFG step",
                             description="Random weights in bf16 on the GPU; no download.")
-    p.add_argument("--family", required=True, choices=list(LATENTS))
+    p.add_argument("--family", required=True, choices=real_model_names(), help="a published model's config")
     p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p or 720p for Wan (default per family)")
     p.add_argument("--frames", type=int, default=81, help="video frames (Wan), 4k+1")
     p.add_argument("--layers", nargs="+", default=["all", "hybrid"], choices=["all", "hybrid"], help="MHLA variants to time (hybrid: every 3rd layer keeps softmax)")

@@ -14,20 +14,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..families import family_by_name
+from ..families import FAMILIES, family_by_name
 
 
 def sample(pipe, family: str, seed: int, steps: int) -> np.ndarray:
     """Images (N, H, W, 3) in [0, 1] from a tiny pipeline of `family` (video: its frames)."""
-    g = torch.Generator().manual_seed(seed)
-    common = dict(num_inference_steps=steps, generator=g, output_type="np")
-    if family == "dit":
-        return pipe(class_labels=[0, 1, 2, 3], **common).images
-    text = dict(prompt="a photo of a red cat", max_sequence_length=16, **common)
-    if family == "wan":
-        return pipe(height=32, width=32, num_frames=5, **text).frames[0]
-    extra = {"complex_human_instruction": None} if family == "sana" else {}  # no long prefix for a tiny encoder
-    return pipe(height=32, width=32, **family_by_name(family).any_size, **text, **extra).images
+    fam = family_by_name(family)
+    out = pipe(**fam.demo_kwargs(), num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+               output_type="np")
+    return out.frames[0] if fam.video else out.images
 
 
 def side_by_side(rows: dict, path: Path, scale: int = 8) -> None:
@@ -77,7 +72,7 @@ def run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="convert, reload and sample an embedded tiny pipeline (no download)")
-    p.add_argument("--family", default="dit", choices=["dit", "pixart", "sana", "wan"])
+    p.add_argument("--family", default="dit", choices=[f.name for f in FAMILIES])
     p.add_argument("--out", default="outputs/demo", help="folder for the checkpoints and demo.png")
     p.add_argument("--steps", type=int, default=10, help="denoising steps")
     p.add_argument("--seed", type=int, default=0)

@@ -21,15 +21,19 @@ def weights(model_dir: Path) -> dict:
     return found
 
 
+def attention_paths(cfg: dict) -> list[str]:
+    """The self-attention module paths of the model a config.json describes (its family knows them)."""
+    return family_by_name(cfg["_class_name"].removeprefix(PREFIX)).self_attention_paths(cfg)
+
+
 def expected_mhla(cfg: dict, config: MHLAConfig) -> dict:
     """The MHLA tensors a converted model of this config.json must hold: key -> shape (None: any)."""
-    family = family_by_name(cfg["_class_name"].removeprefix(PREFIX))
-    layers = config.converted_layers(cfg["num_layers"])
+    paths = attention_paths(cfg)
     heads, head_dim = cfg["num_attention_heads"], cfg["attention_head_dim"]
     m = math.prod(config.mix_blocks) if config.mix_blocks else None
     keys = {}
-    for i in layers:
-        proc = f"{family.block_list}.{i}.attn1.processor"
+    for i in config.converted_layers(len(paths)):
+        proc = f"{paths[i]}.processor"
         keys[f"{proc}.mixing.logits"] = (m, m) if m else None
         if config.output_norm:
             keys[f"{proc}.norm_gain"] = (heads, head_dim)
@@ -51,7 +55,7 @@ def describe_model(model_dir: Path, listed_class: str | None = None) -> dict:
         return info
     config = MHLAConfig.from_dict(cfg[CONFIG_KEY])
     info["mhla"] = config.to_dict()
-    info["converted_layers"] = config.converted_layers(cfg["num_layers"])
+    info["converted_layers"] = config.converted_layers(len(attention_paths(cfg)))
     legacy = {k for k in tensors if LEGACY_MIXING.match(k)}
     notes = []
     if config.mix_blocks is None:  # 0.1 format: logits per block grid, migrated when loaded

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..training.families import model_output, transformer_inputs
+from ..families import family_by_name
 from ..training.model import param_groups
-from ..training.objectives import DDPMObjective
+from ..training.objectives import DDPMObjective, model_output
 from .digits_data import NUM_CLASSES
+
+DIT = family_by_name("dit")
 
 # Cosine betas suit small images (improved DDPM); trailing DDIM steps start at t = T - 1.
 SCHEDULER = {"num_train_timesteps": 1000, "beta_schedule": "squaredcos_cap_v2"}
@@ -78,7 +80,7 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, mininterval=2):
         idx = torch.randint(0, len(labels), (settings.batch_size,), device=device)
         noisy = objective.noisy(images[idx])
-        inputs = transformer_inputs("dit", model, noisy.model_input, noisy.timestep, {"class_label": labels[idx]})
+        inputs = DIT.transformer_inputs(model, noisy.model_input, noisy.timestep, {"class_label": labels[idx]})
         out = model_output(model(**inputs))
         loss = objective.loss(out, noisy)
         if teacher is not None:
@@ -119,7 +121,7 @@ def sample(model, labels: torch.Tensor, steps: int, guidance: float, seed: int, 
         for t in scheduler.timesteps:
             inp = torch.cat([x, x]) if guided else x
             timestep = torch.full((len(inp),), int(t), device=device)
-            eps = model_output(model(**transformer_inputs("dit", model, inp, timestep, {"class_label": classes})))
+            eps = model_output(model(**DIT.transformer_inputs(model, inp, timestep, {"class_label": classes})))
             if guided:
                 cond, uncond = eps.chunk(2)
                 eps = uncond + guidance * (cond - uncond)

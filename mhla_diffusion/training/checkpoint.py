@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import resume_mismatch, to_dict
+from .train_config import resume_mismatch, to_dict
 
 log = logging.getLogger(__name__)
 

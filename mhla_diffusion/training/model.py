@@ -19,6 +19,7 @@ from ..config import MHLAConfig, parse_blocks
 from ..conversion import convert, converted_indices, default_config, mhla_modules, mhla_parameters
 from ..families import family_of, self_attentions, token_grid
 from .checkpoint import partial, publish
+from .train_config import check_family
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ ATTN_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def load_model(config):
-    """(pipeline or None, transformer, family name) from `config.pretrained`, unconverted."""
+    """(pipeline or None, transformer, its Family) from `config.pretrained`, unconverted."""
     src = config.pretrained
     if Path(src).exists() and persistence.stored_config(src) is not None:
         raise ValueError(f"{src} is already converted to MHLA; recipes start from the original model "
@@ -34,10 +35,8 @@ def load_model(config):
     obj = persistence.load(src)
     transformer = getattr(obj, "transformer", obj)
     pipe = obj if obj is not transformer else None
-    family = family_of(transformer).name
-    if config.family and config.family != family:
-        raise ValueError(f"config family {config.family!r} does not match {src}, which holds a {family} model "
-                         f"({type(transformer).__name__})")
+    family = family_of(transformer)
+    check_family(config, family, src)
     return pipe, transformer, family
 
 

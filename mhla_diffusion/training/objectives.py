@@ -128,3 +128,8 @@ def build_objective(kind: str, transformer, scheduler_config: dict | None, confi
         raise ValueError("the ddpm objective needs the pipeline's scheduler config (load a pipeline, not a bare transformer)")
     learned = transformer.config.out_channels == 2 * transformer.config.in_channels
     return DDPMObjective(dict(scheduler_config), learned_variance=learned)
+
+
+def model_output(out):
+    """The prediction tensor of a diffusers model output."""
+    return out.sample if hasattr(out, "sample") else out[0]

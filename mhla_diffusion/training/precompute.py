@@ -20,7 +20,7 @@ from .. import persistence
 from ..families import family_by_name
 from . import conditioning
 from .data import CACHE_INDEX, SkippedFiles, build_dataset, collate
-from .families import recipe_for
+from .train_config import check_family
 
 
 class Readable(Dataset):
@@ -52,12 +52,10 @@ def precompute(config, out_dir, accelerator) -> dict:
     """Write this process's share of the cache; the main process writes cache.json at the end."""
     from diffusers import DiffusionPipeline
 
-    family = family_by_name(DiffusionPipeline.load_config(config.pretrained)["transformer"][1]).name
+    family = family_by_name(DiffusionPipeline.load_config(config.pretrained)["transformer"][1])
     pipe = persistence.load(config.pretrained, transformer=None)  # the transformer is not needed
-    if config.family and config.family != family:
-        raise ValueError(f"config family {config.family!r} does not match {config.pretrained} ({family})")
-    recipe = recipe_for(family)
-    data_type = "videos" if recipe.video else "images"
+    check_family(config, family, config.pretrained)
+    data_type = "videos" if family.video else "images"
     dataset = build_dataset(data_type, config.data_dir, config.resolution, config.num_frames)
     out = Path(out_dir)
     if (out / CACHE_INDEX).exists():
@@ -65,7 +63,7 @@ def precompute(config, out_dir, accelerator) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     device = accelerator.device
     pipe.vae.to(device)
-    if recipe.text:
+    if family.text:
         pipe.text_encoder.to(device)
     shard = Readable(dataset, range(accelerator.process_index, len(dataset), accelerator.num_processes))
     loader = DataLoader(shard, batch_size=config.train_batch_size, num_workers=config.num_workers, collate_fn=collate_readable)
@@ -74,14 +72,14 @@ def precompute(config, out_dir, accelerator) -> dict:
         skipped.add(batch.pop("unreadable"))
         if not batch:
             continue
-        encoded = conditioning.encode_batch(batch, pipe, recipe.text, config.max_sequence_length, device)
+        encoded = conditioning.encode_batch(batch, pipe, family.text, config.max_sequence_length, device)
         for j, index in enumerate(batch["index"].tolist()):
             save_sample(out, index, {k: v[j] for k, v in encoded.items()})
             written += 1
     unreadable = skipped.sync(accelerator)
     samples = int(accelerator.reduce(torch.tensor(written, device=device), "sum"))
-    return finish_cache(out, config, family, recipe.video,
-                        conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, recipe.video),
+    return finish_cache(out, config, family.name, family.video,
+                        conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, family.video),
                         accelerator, samples=samples, unreadable=unreadable)
 
 

@@ -20,10 +20,10 @@ from tqdm.auto import tqdm
 from .. import persistence
 from ..conversion import is_converted
 from ..evaluation.compare import capture_latents  # what the pipeline hands to vae.decode (DiT has no latent output)
-from ..evaluation.sampling import SamplingSettings, call_kwargs, family_name, read_prompts
+from ..evaluation.sampling import SamplingSettings, call_kwargs, pipe_family, read_prompts
 from . import conditioning
 from .data import CACHE_INDEX
-from .families import recipe_for
+from .train_config import check_family
 from .precompute import finish_cache, save_sample
 
 
@@ -44,18 +44,16 @@ def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | N
     pipe = persistence.load(config.pretrained)
     if is_converted(pipe.transformer):
         raise ValueError(f"{config.pretrained} is converted to MHLA: the teacher must be the original model")
-    family = family_name(pipe)
-    if config.family and config.family != family:
-        raise ValueError(f"config family {config.family!r} does not match {config.pretrained} ({family})")
-    recipe = recipe_for(family)
+    family = pipe_family(pipe)
+    check_family(config, family, config.pretrained)
     prompts = read_prompts(prompts_file) if prompts_file else None
-    if recipe.text and not prompts:
-        raise ValueError(f"teacher samples of a text-conditioned {family} model need --prompts FILE (one prompt per line)")
+    if family.text and not prompts:
+        raise ValueError(f"teacher samples of a text-conditioned {family.name} model need --prompts FILE (one prompt per line)")
     h, w = config.resolution
     settings = SamplingSettings(seed=config.seed, steps=steps, guidance_scale=guidance_scale, prompts=prompts,
-                                **({} if family == "dit" else {"height": h, "width": w}),
-                                **({"num_frames": config.num_frames} if recipe.video else {}))
-    shape = list(conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, recipe.video))
+                                **({"height": h, "width": w} if family.text else {}),
+                                num_frames=config.num_frames if family.video else None)
+    shape = list(conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, family.video))
     device = accelerator.device
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
@@ -72,7 +70,7 @@ def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | N
             raise ValueError(f"the teacher samples latents of shape {list(latents.shape[1:])}, but resolution "
                              f"{config.resolution} trains on {shape}: set resolution to the size the model samples at")
         cond = {}
-        if recipe.text:
+        if family.text:
             cond["prompt_embeds"], cond["prompt_attention_mask"] = conditioning.encode_text(
                 pipe, kwargs["prompt"], config.max_sequence_length, device)
         else:
@@ -80,5 +78,5 @@ def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | N
         for j, index in enumerate(indices):
             save_sample(out, index, {"latents_mean": latents[j], **{k: v[j] for k, v in cond.items()}})
     teacher = {"prompts": prompts_file, "steps": steps, "guidance_scale": guidance_scale, "seed": config.seed}
-    return finish_cache(out, config, family, recipe.video, shape, accelerator, samples=num_samples, unreadable=0,
+    return finish_cache(out, config, family.name, family.video, shape, accelerator, samples=num_samples, unreadable=0,
                         teacher=teacher)

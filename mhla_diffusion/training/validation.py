@@ -13,14 +13,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .families import recipe_for
 
 
-def check_validation(config, family: str) -> None:
+def check_validation(config, family) -> None:
     """Fail before training if periodic sampling is asked for without anything to sample."""
     if config.validation_steps <= 0:
         return
-    what = "validation_prompts" if recipe_for(family).text else "validation_classes"
+    what = "validation_prompts" if family.text else "validation_classes"
     if not getattr(config, what):
         raise ValueError(f"validation_steps is {config.validation_steps} but {what} is empty")
 
@@ -49,19 +48,17 @@ def write_video(path: Path, frames: np.ndarray, fps: int = 16) -> None:
 
 
 @torch.no_grad()
-def sample(pipe, transformer, family: str, config, step: int) -> list[Path]:
-    """Generate the validation set with `transformer` and write it to disk; returns the files."""
-    recipe = recipe_for(family)
+def sample(pipe, transformer, family, config, step: int) -> list[Path]:
+    """Generate the validation set with `transformer` (of `family`) and write it to disk; returns the files."""
     pipe.transformer = transformer
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator("cpu").manual_seed(config.seed)
     common = {"num_inference_steps": config.validation_inference_steps, "guidance_scale": config.validation_guidance_scale,
               "generator": generator, "output_type": "np"}
-    if recipe.text:
+    if family.text:
         h, w = config.resolution
-        kwargs = {"prompt": list(config.validation_prompts), "height": h, "width": w, **recipe.pipeline_kwargs}
-        if recipe.video:
-            kwargs["num_frames"] = config.num_frames
+        kwargs = {"prompt": list(config.validation_prompts), **family.size_kwargs(h, w, config.num_frames),
+                  **family.any_size, **family.validation_kwargs}
     else:
         kwargs = {"class_labels": [int(c) for c in config.validation_classes]}
     was_training = transformer.training
@@ -73,9 +70,9 @@ def sample(pipe, transformer, family: str, config, step: int) -> list[Path]:
     folder = Path(config.output_dir) / "samples" / f"step-{step:07d}"
     folder.mkdir(parents=True, exist_ok=True)
     files = []
-    for i, arr in enumerate(out.frames if recipe.video else out.images):
-        path = folder / f"{i:02d}.{'mp4' if recipe.video else 'png'}"
-        if recipe.video:
+    for i, arr in enumerate(out.frames if family.video else out.images):
+        path = folder / f"{i:02d}.{'mp4' if family.video else 'png'}"
+        if family.video:
             write_video(path, np.asarray(arr))
         else:
             Image.fromarray((np.clip(arr, 0, 1) * 255).round().astype(np.uint8)).save(path)

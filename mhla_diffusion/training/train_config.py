@@ -25,7 +25,7 @@ PRECISIONS = ("no", "fp16", "bf16")
 class TrainConfig:
     # model
     pretrained: str = ""  # local diffusers dir or hub id of the *unconverted* pipeline
-    family: str = ""  # optional guard: "dit", "pixart", "sana" or "wan"; must match the model
+    family: str = ""  # optional guard: a family name of mhla_diffusion.families ("dit", "wan", ...); must match the model
     # conversion (MHLAConfig fields); blocks "auto" is resolved from the training resolution
     mhla_blocks: str = "auto"  # block grid "bt,bh,bw" (or "bh,bw"), or "auto"
     mhla_layers: str = "all"  # "all", "hybrid:3", or "0,1,5"
@@ -104,6 +104,12 @@ class TrainConfig:
             raise ValueError(f"context_parallel must be >= 0 (0 = off), got {self.context_parallel}")
         if self.resume and self.overwrite_output_dir:
             raise ValueError("resume continues the run in output_dir and overwrite_output_dir deletes it: give one of them")
+
+
+def check_family(config: TrainConfig, family, source) -> None:
+    """The optional `family` guard: the model at `source` must be of that family."""
+    if config.family and config.family != family.name:
+        raise ValueError(f"config family {config.family!r} does not match {source}, which holds a {family.name} model")
 
 
 def config_reference() -> str:

@@ -1,0 +1,66 @@
+"""The model families MHLA supports, one module each (`dit`, `pixart`, `sana`, `wan`, ...).
+
+Each module defines `FAMILY`, a `base.Family`; the registry is every module of this package,
+so adding a family is adding a module (README: "How to add a model family").
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .base import Family, RealModel
+
+
+def _load() -> tuple[Family, ...]:
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base")
+    return tuple(importlib.import_module(f"{__name__}.{name}").FAMILY for name in names)
+
+
+FAMILIES = _load()
+
+SUPPORTED = ", ".join(c for f in FAMILIES for c in f.class_names)
+
+
+def family_of(transformer) -> Family:
+    """The family of a transformer (an MHLA model class counts as the diffusers class it extends)."""
+    for cls in type(transformer).__mro__:
+        for fam in FAMILIES:
+            if cls.__name__ in fam.class_names:
+                return fam
+    raise ValueError(f"unsupported model class {type(transformer).__name__}; supported: {SUPPORTED}")
+
+
+def family_by_name(name: str) -> Family:
+    """A family by its name or one of its class names."""
+    for fam in FAMILIES:
+        if name == fam.name or name in fam.class_names:
+            return fam
+    raise ValueError(f"unknown model family {name!r}; supported: {', '.join(f.name for f in FAMILIES)}")
+
+
+def real_model(name: str) -> tuple[Family, RealModel]:
+    """A published checkpoint's config by its `bench model` name (e.g. "wan2.1-1.3b")."""
+    for fam in FAMILIES:
+        if name in fam.real:
+            return fam, fam.real[name]
+    raise ValueError(f"unknown model {name!r}; real-size models: {', '.join(real_model_names())}")
+
+
+def real_model_names() -> list[str]:
+    return [name for fam in FAMILIES for name in fam.real]
+
+
+def self_attentions(transformer) -> list:
+    """The self-attention modules MHLA converts, in layer order."""
+    return family_of(transformer).self_attentions(transformer)
+
+
+def token_grid(transformer, hidden_states) -> tuple[int, int, int]:
+    """Post-patch (T, H, W) grid of a transformer input (B, C, H, W) or (B, C, F, H, W)."""
+    return family_of(transformer).token_grid(transformer, hidden_states)
+
+
+def default_grid(transformer) -> tuple[tuple[int, int, int], str]:
+    """The token grid at the model's default size, and that size in words (for messages)."""
+    return family_of(transformer).default_grid(transformer)
