@@ -12,15 +12,15 @@ from dense import dense_mhla
 
 
 def inputs(family, size, batch=2, frames=3, seed=0):
-    """Transformer kwargs for a latent of `size` x `size` or (height, width) (and `frames` for Wan)."""
+    """Transformer kwargs for a latent of `size` x `size` or (height, width) (and `frames` for video)."""
     h, w = (size, size) if isinstance(size, int) else size
     g = torch.Generator().manual_seed(seed)
     t = torch.tensor([10, 500][:batch])
     if family == "dit":
         return dict(hidden_states=torch.randn(batch, 4, h, w, generator=g), timestep=t, class_labels=torch.tensor([1, 3][:batch]))
-    if family == "wan":
+    if family in ("wan", "sana_video"):  # the text as wide as the tiny pipeline's encoder (UMT5 16, Gemma-2 8)
         return dict(hidden_states=torch.randn(batch, 16, frames, h, w, generator=g), timestep=t,
-                    encoder_hidden_states=torch.randn(batch, 5, 16, generator=g))
+                    encoder_hidden_states=torch.randn(batch, 5, 16 if family == "wan" else 8, generator=g))
     x = torch.randn(batch, 4, h, w, generator=g)
     ctx = torch.randn(batch, 5, 8, generator=g)
     if family == "pixart":
