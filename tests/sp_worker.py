@@ -56,7 +56,7 @@ def check(family, world):
         for n, p in model.named_parameters():
             if ".mixing." in n:
                 p.add_(torch.randn(p.shape, generator=g))
-    kwargs = inputs(family, size, frames=frames)
+    kwargs = inputs(model, size, frames=frames)
     ref_out, ref_grads, ref_x = step(model, kwargs)
 
     seen = []

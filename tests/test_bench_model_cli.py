@@ -46,8 +46,6 @@ def test_profile_report_names_the_ops_of_a_call():
 def test_self_attention_removed_runs_the_block_without_attention(family, monkeypatch):
     """The bound row's processors: no MHLA op and no self-attention SDPA (cross-attention keeps its own),
     the layer's projections still run, and the model's output keeps its shape."""
-    import dataclasses
-
     import torch
 
     from mhla_diffusion import processors
@@ -58,9 +56,7 @@ def test_self_attention_removed_runs_the_block_without_attention(family, monkeyp
     model = build_transformer(family)
     original = attn_processors(model)
     latent = (16, 3, 8, 8) if family == "wan" else (4, 8, 8)
-    fam = family_by_name(family)
-    tiny_text = dataclasses.replace(next(iter(fam.real.values())), text=(4, 16) if fam.text else None)
-    kw = fam.bench_inputs(model, tiny_text, latent, 1)  # as `bench model` calls it, at the tiny model's sizes
+    kw = family_by_name(family).example_inputs(model, latent, 1, text_tokens=4)  # as `bench model` builds them
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = []
 

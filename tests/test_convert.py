@@ -6,48 +6,38 @@ import torch
 import mhla_diffusion as md
 from mhla_diffusion import zoo
 from mhla_diffusion.conversion import mhla_modules
-from mhla_diffusion.families import self_attentions
+from mhla_diffusion.families import family_of, self_attentions
 
 from dense import dense_mhla
 
 
-def inputs(family, size, batch=2, frames=3, seed=0):
-    """Transformer kwargs for a latent of `size` x `size` or (height, width) (and `frames` for video)."""
+def inputs(model, size, batch=2, frames=3, seed=0):
+    """Transformer kwargs for a latent of `size` x `size` or (height, width) (and `frames` for video), from
+    the model's family (as `bench model` builds them)."""
     h, w = (size, size) if isinstance(size, int) else size
-    g = torch.Generator().manual_seed(seed)
-    t = torch.tensor([10, 500][:batch])
-    if family == "dit":
-        return dict(hidden_states=torch.randn(batch, 4, h, w, generator=g), timestep=t, class_labels=torch.tensor([1, 3][:batch]))
-    if family in ("wan", "sana_video"):  # the text as wide as the tiny pipeline's encoder (UMT5 16, Gemma-2 8)
-        return dict(hidden_states=torch.randn(batch, 16, frames, h, w, generator=g), timestep=t,
-                    encoder_hidden_states=torch.randn(batch, 5, 16 if family == "wan" else 8, generator=g))
-    x = torch.randn(batch, 4, h, w, generator=g)
-    ctx = torch.randn(batch, 5, 8, generator=g)
-    if family == "pixart":
-        return dict(hidden_states=x, timestep=t, encoder_hidden_states=ctx, added_cond_kwargs={"resolution": None, "aspect_ratio": None})
-    return dict(hidden_states=x, timestep=t, encoder_hidden_states=ctx)
+    family, c = family_of(model), model.config.in_channels
+    latent = (c, frames, h, w) if family.video else (c, h, w)
+    return family.example_inputs(model, latent, batch, generator=torch.Generator().manual_seed(seed))
 
 
-def run(model, family, size, **kw):
-    dtype = next(model.parameters()).dtype
-    cast = lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
-    return model(**{k: cast(v) for k, v in inputs(family, size, **kw).items()}, return_dict=False)[0]
+def run(model, size, **kw):
+    return model(**inputs(model, size, **kw), return_dict=False)[0]
 
 
 @pytest.mark.parametrize("family", zoo.FAMILIES)
 def test_convert_forward_backward_save_reload(family, tmp_path):
     model = zoo.build_transformer(family)
-    before = run(model, family, 8)
+    before = run(model, 8)
     md.convert(model)
     assert len(mhla_modules(model)) == len(self_attentions(model))
-    out = run(model, family, 8)
+    out = run(model, 8)
     assert out.shape == before.shape and torch.isfinite(out).all()
     assert not torch.allclose(out, before)  # the processors really run
-    other = run(model, family, 12, batch=1, frames=5)  # another resolution (and frame count), no grid passed
+    other = run(model, 12, batch=1, frames=5)  # another resolution (and frame count), no grid passed
     assert other.shape[-2:] == (12, 12)
 
     model.train()
-    loss = run(model, family, 8).square().mean() + run(model, family, 12, batch=1, frames=5).square().mean()
+    loss = run(model, 8).square().mean() + run(model, 12, batch=1, frames=5).square().mean()
     loss.backward()
     mixing = [p for n, p in model.named_parameters() if n.endswith(".mixing.logits")]
     assert mixing and all(p.grad is not None and p.grad.abs().sum() > 0 for p in mixing)
@@ -57,10 +47,10 @@ def test_convert_forward_backward_save_reload(family, tmp_path):
         for p in mixing:
             p.add_(torch.randn_like(p))
     model.eval()
-    expected = run(model, family, 8)
+    expected = run(model, 8)
     model.save_pretrained(tmp_path)
     reloaded = md.from_pretrained(tmp_path)
-    torch.testing.assert_close(run(reloaded, family, 8), expected, rtol=0, atol=0)
+    torch.testing.assert_close(run(reloaded, 8), expected, rtol=0, atol=0)
 
 
 def test_set_attn_processor_path_and_hybrid_layers():
@@ -71,7 +61,7 @@ def test_set_attn_processor_path_and_hybrid_layers():
     assert converted == ["blocks.0.attn1.processor", "blocks.1.attn1.processor"]
     assert type(model.blocks[2].attn1.processor).__name__ == "WanAttnProcessor"
     assert type(model.blocks[0].attn2.processor).__name__ == "WanAttnProcessor"  # cross-attention untouched
-    out = run(model, "wan", 8)
+    out = run(model, 8)
     assert torch.isfinite(out).all()
 
 
@@ -80,15 +70,15 @@ def test_dit_gets_set_attn_processor():
     assert not hasattr(model, "set_attn_processor")  # upstream lacks it; we provide the equivalent
     md.set_attn_processor(model, md.mhla_processors(model, md.MHLAConfig(blocks=(2, 2))))
     assert all(type(p).__name__ == "MHLAAttnProcessor" for p in md.attn_processors(model).values())
-    assert torch.isfinite(run(model, "dit", 8)).all()
+    assert torch.isfinite(run(model, 8)).all()
 
 
 def test_sana_single_block_is_sanas_own_linear_attention():
     """M = 1 reduces MHLA to SANA's global ReLU linear attention: outputs must match the original."""
     model = zoo.build_transformer("sana")
-    before = run(model, "sana", 8)
+    before = run(model, 8)
     md.convert(model, md.default_config(model, blocks=(1, 1, 1)))
-    torch.testing.assert_close(run(model, "sana", 8), before, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run(model, 8), before, rtol=1e-5, atol=1e-6)
 
 
 def test_legacy_processor_matches_dense_mhla_inside_dit():
@@ -98,7 +88,7 @@ def test_legacy_processor_matches_dense_mhla_inside_dit():
     attn = model.transformer_blocks[0].attn1
     seen = {}
     attn.register_forward_hook(lambda m, a, kw, out: seen.update(x=a[0] if a else kw["hidden_states"], out=out), with_kwargs=True)
-    run(model, "dit", 8, batch=1)
+    run(model, 8, batch=1)
     x = seen["x"]
     q, k, v = (p(x).view(1, 16, 2, 4) for p in (attn.to_q, attn.to_k, attn.to_v))
     mix = attn.processor.mixing((1, 2, 2)).double()
@@ -116,7 +106,7 @@ def test_wan_processor_matches_dense_mhla_with_rope_norm_and_gate():
         attn.processor.gate.weight.normal_(0, 0.1)
     seen = {}
     attn.register_forward_hook(lambda m, a, out: seen.update(x=a[0], rope=a[3], out=out))
-    run(model, "wan", 4, batch=1, frames=2)
+    run(model, 4, batch=1, frames=2)
     x, rope = seen["x"], seen["rope"]
     q, k, v = (p(x) for p in (attn.to_q, attn.to_k, attn.to_v))
     q, k, v = (t.view(1, -1, 2, 12) for t in (attn.norm_q(q), attn.norm_k(k), v))
@@ -130,7 +120,7 @@ def test_wan_processor_matches_dense_mhla_with_rope_norm_and_gate():
 def test_bf16_forward():
     model = zoo.build_transformer("pixart")
     md.convert(model)
-    half = run(model.to(torch.bfloat16), "pixart", 8)
+    half = run(model.to(torch.bfloat16), 8)
     assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
 
 
@@ -144,7 +134,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
         if ckpt:
             model.enable_gradient_checkpointing()
         model.zero_grad()
-        run(model, family, 8).square().mean().backward()
+        run(model, 8).square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and any(n.endswith(".mixing.logits") for n in grads[0])
     for n in grads[0]:
@@ -157,17 +147,17 @@ def test_one_mixing_matrix_serves_every_resolution_and_reloads(tmp_path):
     model = zoo.build_transformer("wan")
     md.convert(model)  # Wan: blocks="auto", logits on the 480p x 81 grid
     names = [n for n, _ in model.named_parameters()]
-    small, large = run(model, "wan", 8, frames=3), run(model, "wan", 16, frames=5)
+    small, large = run(model, 8, frames=3), run(model, 16, frames=5)
     assert [n for n, _ in model.named_parameters()] == names  # nothing created by a forward
     assert [n for n in names if n.startswith("blocks.0.attn1.processor.mixing")] == ["blocks.0.attn1.processor.mixing.logits"]
     with torch.no_grad():  # pretend training moved the logits
         for p in md.mhla_parameters(model):
             p.add_(torch.randn_like(p))
-    assert not torch.allclose(run(model, "wan", 8, frames=3), small)
-    expected = run(model, "wan", 16, frames=5)
+    assert not torch.allclose(run(model, 8, frames=3), small)
+    expected = run(model, 16, frames=5)
     assert not torch.allclose(expected, large)
     model.save_pretrained(tmp_path)
-    torch.testing.assert_close(run(md.from_pretrained(tmp_path), "wan", 16, frames=5), expected, rtol=0, atol=0)
+    torch.testing.assert_close(run(md.from_pretrained(tmp_path), 16, frames=5), expected, rtol=0, atol=0)
 
 
 def test_torch_compile_of_converted_transformers():
@@ -178,12 +168,12 @@ def test_torch_compile_of_converted_transformers():
         wan = zoo.build_transformer("wan").eval()
         md.convert(wan)
         compiled = torch.compile(wan, fullgraph=True, backend="aot_eager")
-        torch.testing.assert_close(compiled(**inputs("wan", 4), return_dict=False)[0], run(wan, "wan", 4))
+        torch.testing.assert_close(compiled(**inputs(wan, 4), return_dict=False)[0], run(wan, 4))
         dit = zoo.build_transformer("dit").eval()
         md.convert(dit)
         compiled = torch.compile(dit, fullgraph=True, backend="aot_eager")
         for size in (8, 16):  # 16: 8 x 8 tokens, a block grid the logits are not defined on
-            torch.testing.assert_close(compiled(**inputs("dit", size), return_dict=False)[0], run(dit, "dit", size))
+            torch.testing.assert_close(compiled(**inputs(dit, size), return_dict=False)[0], run(dit, size))
 
 
 def test_mixing_stays_row_stochastic_after_steps():
@@ -193,7 +183,7 @@ def test_mixing_stays_row_stochastic_after_steps():
     opt = torch.optim.SGD(md.mhla_parameters(model), lr=10.0)
     for _ in range(3):
         opt.zero_grad()
-        run(model.train(), "dit", 8).sum().backward()
+        run(model.train(), 8).sum().backward()
         opt.step()
     mix = model.transformer_blocks[0].attn1.processor.mixing((1, 2, 2))
     torch.testing.assert_close(mix.sum(1), torch.ones(4))

@@ -138,7 +138,9 @@ def test_recipe_trains_mhla_on_video_clips(tmp_path):
     launch("train.py", "--pretrained", tmp_path / "pipe", "--family", FAMILY, "--data_dir", videos, "--resolution", "[32, 32]",
            "--num_frames", "5", "--train_mode", "full", "--mhla_blocks", "1,2,2", "--objective", "flow", "--flow_shift", "8.0",
            "--learning_rate", "1e-2", "--train_batch_size", "2", "--max_steps", "2", "--gradient_checkpointing", "true",
+           "--validation_steps", "2", "--validation_prompts", '["a red cat"]', "--validation_inference_steps", "2",
            "--output_dir", out, *COMMON)
+    assert (out / "samples" / "step-0000002" / "00.mp4").is_file()  # the pipeline's own frame argument (`frames`)
     assert len(scalars(out, "loss")) == 2 and all(np.isfinite(scalars(out, "loss")))
     before, after = transformer_weights(tmp_path / "pipe"), transformer_weights(out / "final")
     changed = {k for k in after if k not in before or not torch.equal(before[k], after[k])}

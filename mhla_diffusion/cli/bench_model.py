@@ -81,7 +81,7 @@ def run_model(args) -> int:
         for batch, what in ((1, "forward"), (2, "CFG step (batch 2)")):
             if what.startswith("CFG") and args.no_cfg:
                 continue
-            inputs = family.bench_inputs(model, real, latent, batch)
+            inputs = family.example_inputs(model, latent, batch, real.text_tokens)
             with torch.inference_mode():
                 ms, gb = timed(lambda: fwd(**inputs, return_dict=False), args.warmup, args.iters)
                 if args.profile and batch == 1:

@@ -26,7 +26,7 @@ class RealModel:
     latent_channels: int
     vae_factor: int  # spatial VAE downsampling
     resolution: str  # the size it runs at: pixels, or a VIDEO_SIZES name
-    text: tuple[int, int] | None = None  # (tokens, width) of its text encoder's output; None: class-conditional
+    text_tokens: int = 0  # prompt tokens its text encoder gives the transformer (0: class-conditional)
     temporal_factor: int | None = None  # temporal VAE downsampling (video); None for images
 
     def latent_shape(self, resolution: str, frames: int) -> tuple:
@@ -110,15 +110,21 @@ class Family:
         """Keyword arguments of `transformer(...)` for one batch (`prompt_embeds` [+ `prompt_attention_mask`])."""
         return {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": batch["prompt_embeds"]}
 
-    def bench_inputs(self, transformer, real: RealModel, latent: tuple, batch: int) -> dict:
-        """Random inputs of a real-size model's forward at `latent`, on its device and in its dtype."""
+    def text_width(self, config) -> int:
+        """Width of the prompt embeddings the transformer takes."""
+        return config.caption_channels or config.cross_attention_dim
+
+    def example_inputs(self, transformer, latent: tuple, batch: int = 1, text_tokens: int = 5, generator=None) -> dict:
+        """Random `transformer(...)` inputs at `latent` ((C, H, W), or (C, F, H, W) for video), on its device
+        and in its dtype, timesteps spread over [10, 500]: speed runs (`bench model`) and tests."""
         device, dtype = transformer.device, transformer.dtype
-        x = torch.randn(batch, *latent, device=device, dtype=dtype)
-        t = torch.full((batch,), 500, device=device, dtype=torch.long)
-        if real.text is None:
-            cond = {"class_label": torch.zeros(batch, dtype=torch.long, device=device)}
+        x = torch.randn(batch, *latent, generator=generator).to(device, dtype)
+        t = torch.linspace(10, 500, batch).long().to(device)
+        if self.text:
+            text = torch.randn(batch, text_tokens, self.text_width(transformer.config), generator=generator)
+            cond = {"prompt_embeds": text.to(device, dtype)}
         else:
-            cond = {"prompt_embeds": torch.randn(batch, *real.text, device=device, dtype=dtype)}
+            cond = {"class_label": torch.arange(1, 2 * batch, 2, device=device) % transformer.config.num_embeds_ada_norm}
         return self.transformer_inputs(transformer, x, t, cond)
 
     # --- sampling ---
@@ -126,18 +132,20 @@ class Family:
         """The pipeline's conditioning and size arguments for samples `indices` (a SamplingSettings)."""
         if not settings.prompts:
             raise ValueError(f"{self.name} samples need prompts (a prompts file, one per line)")
-        kwargs = {"prompt": [settings.prompts[i % len(settings.prompts)] for i in indices], **self.any_size}
-        kwargs.update({k: v for k, v in (("height", settings.height), ("width", settings.width)) if v is not None})
-        if settings.num_frames is not None:
-            if not self.video:
-                raise ValueError(f"{self.name} makes images; frames apply to video models only")
-            kwargs["num_frames"] = settings.num_frames
-        return kwargs
+        if settings.num_frames is not None and not self.video:
+            raise ValueError(f"{self.name} makes images; frames apply to video models only")
+        return {"prompt": [settings.prompts[i % len(settings.prompts)] for i in indices], **self.any_size,
+                **self.size_kwargs(settings.height, settings.width, settings.num_frames)}
+
+    def size_kwargs(self, height=None, width=None, frames=None) -> dict:
+        """The pipeline's arguments for a sample size (those given)."""
+        sizes = (("height", height), ("width", width), ("num_frames", frames if self.video else None))
+        return {k: v for k, v in sizes if v is not None}
 
     def demo_kwargs(self) -> dict:
         """What the demo passes its tiny pipeline: a small size, a prompt its tiny text encoder reads."""
-        return dict(prompt="a photo of a red cat", max_sequence_length=16, height=32, width=32, **self.any_size,
-                    **self.validation_kwargs, **({"num_frames": 5} if self.video else {}))
+        return dict(prompt="a photo of a red cat", max_sequence_length=16, **self.size_kwargs(32, 32, 5), **self.any_size,
+                    **self.validation_kwargs)
 
     def build_pipeline(self, transformer):
         """A complete tiny pipeline around `transformer` (random-weight VAE, text encoder, scheduler)."""

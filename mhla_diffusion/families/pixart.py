@@ -49,7 +49,7 @@ FAMILY = PixArt(
                                          num_embeds_ada_norm=1000, norm_type="ada_norm_single",
                                          norm_elementwise_affine=False, norm_eps=1e-6, use_additional_conditions=False,
                                          interpolation_scale=2),
-                                    latent_channels=4, vae_factor=VAE_FACTOR, resolution="1024", text=(300, 4096))},
+                                    latent_channels=4, vae_factor=VAE_FACTOR, resolution="1024", text_tokens=300)},
     any_size={"use_resolution_binning": False},
     objective="ddpm",
     context_parallel=("transformer_blocks.0", "proj_out"),

@@ -61,7 +61,7 @@ FAMILY = Sana(
     real={"sana-1.6b": RealModel(dict(patch_size=1, in_channels=32, out_channels=32, num_layers=20, attention_head_dim=32,
                                       num_attention_heads=70, num_cross_attention_heads=20, cross_attention_head_dim=112,
                                       cross_attention_dim=2240, caption_channels=2304, mlp_ratio=2.5, sample_size=32),
-                                 latent_channels=32, vae_factor=32, resolution="4096", text=(300, 2304))},
+                                 latent_channels=32, vae_factor=32, resolution="4096", text_tokens=300)},
     # eps as SANA's own linear attention, so blocks=(1,1,1) reproduces the original exactly.
     defaults={"eps": 1e-15},
     any_size={"use_resolution_binning": False},

@@ -34,18 +34,14 @@ class MHLASanaVideoAttnProcessor(MHLAProcessorBase):
 class SanaVideo(Sana):
     """SANA's transformer inputs (with the prompt mask); the pipeline names its frame count `frames`."""
 
-    def call_kwargs(self, pipe, indices, settings) -> dict:
-        kwargs = super().call_kwargs(pipe, indices, settings)
-        if "num_frames" in kwargs:
-            kwargs["frames"] = kwargs.pop("num_frames")
-        return kwargs
+    def size_kwargs(self, height=None, width=None, frames=None) -> dict:
+        sizes = (("height", height), ("width", width), ("frames", frames))
+        return {k: v for k, v in sizes if v is not None}
 
     def demo_kwargs(self) -> dict:
-        """64 x 64 x 5 (sizes divisible by 32): 2 x 4 x 4 tokens, so "auto" picks blocks (1, 2, 2); at 32 x 32 it picks one block, which
-        is SANA-Video's own attention exactly (the demo would show no difference)."""
-        kwargs = super().demo_kwargs()
-        kwargs.update(frames=kwargs.pop("num_frames"), height=64, width=64)
-        return kwargs
+        """64 x 64 x 5 (sizes divisible by 32): 2 x 4 x 4 tokens, so "auto" picks blocks (1, 2, 2); at 32 x 32
+        it picks one block, which is SANA-Video's own attention exactly (the demo would show no difference)."""
+        return {**super().demo_kwargs(), **self.size_kwargs(64, 64)}
 
     def build_pipeline(self, transformer):
         """SANA's tiny tokenizer and Gemma-2 encoder (width 8), Wan's tiny VAE (SANA-Video uses Wan2.1's)."""
@@ -73,7 +69,7 @@ FAMILY = SanaVideo(
                                           norm_elementwise_affine=False, norm_eps=1e-6, qk_norm="rms_norm_across_heads",
                                           rope_max_seq_len=1024),
                                      latent_channels=16, vae_factor=8, temporal_factor=4, resolution="480p",
-                                     text=(300, 2304))},
+                                     text_tokens=300)},
     # eps as SANA-Video's own linear attention, so blocks=(1,1,1) reproduces the original exactly
     # (MHLAConfig's defaults already give its normalizer and RoPE on the numerator).
     defaults={"eps": 1e-15},

@@ -23,6 +23,9 @@ class MHLAWanAttnProcessor(MHLAProcessorBase):
 
 
 class Wan(Family):
+    def text_width(self, config) -> int:
+        return config.text_dim
+
     def build_pipeline(self, transformer):
         import diffusers as d
 
@@ -56,7 +59,7 @@ def _real(heads: int, ffn: int, layers: int, resolution: str) -> RealModel:
     return RealModel(dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128, in_channels=16,
                           out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=ffn, num_layers=layers,
                           cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6),
-                     latent_channels=16, vae_factor=8, temporal_factor=4, resolution=resolution, text=(512, 4096))
+                     latent_channels=16, vae_factor=8, temporal_factor=4, resolution=resolution, text_tokens=512)
 
 
 FAMILY = Wan(

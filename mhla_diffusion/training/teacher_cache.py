@@ -52,7 +52,7 @@ def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | N
     h, w = config.resolution
     settings = SamplingSettings(seed=config.seed, steps=steps, guidance_scale=guidance_scale, prompts=prompts,
                                 **({"height": h, "width": w} if family.text else {}),
-                                **({"num_frames": config.num_frames} if family.video else {}))
+                                num_frames=config.num_frames if family.video else None)
     shape = list(conditioning.latent_shape(pipe.vae, config.resolution, config.num_frames, family.video))
     device = accelerator.device
     pipe.to(device)

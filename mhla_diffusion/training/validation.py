@@ -57,10 +57,8 @@ def sample(pipe, transformer, family, config, step: int) -> list[Path]:
               "generator": generator, "output_type": "np"}
     if family.text:
         h, w = config.resolution
-        kwargs = {"prompt": list(config.validation_prompts), "height": h, "width": w, **family.any_size,
-                  **family.validation_kwargs}
-        if family.video:
-            kwargs["num_frames"] = config.num_frames
+        kwargs = {"prompt": list(config.validation_prompts), **family.size_kwargs(h, w, config.num_frames),
+                  **family.any_size, **family.validation_kwargs}
     else:
         kwargs = {"class_labels": [int(c) for c in config.validation_classes]}
     was_training = transformer.training
