@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..families import FAMILIES, family_by_name
+from .main import counted
 
 
 def sample(pipe, family: str, seed: int, steps: int) -> np.ndarray:
@@ -40,7 +41,7 @@ def run_tiny(args, out: Path) -> int:
     pipe = load(out / "original")
     convert(pipe, default_config(pipe.transformer))
     pipe.save_pretrained(out / "mhla")
-    print(f"[2/4] converted {len(mhla_modules(pipe.transformer))} self-attention layers to MHLA -> {out / 'mhla'}")
+    print(f"[2/4] converted {counted(len(mhla_modules(pipe.transformer)), 'self-attention layer')} to MHLA -> {out / 'mhla'}")
 
     original, converted = load(out / "original"), from_pretrained(out / "mhla")
     print("[3/4] reloaded both (MHLA via mhla_diffusion.from_pretrained)")
@@ -59,7 +60,7 @@ def run_tiny(args, out: Path) -> int:
                   title=f"tiny random-weight {args.family} pipeline, same seeds ({steps} steps)",
                   footer=f"random weights: this shows conversion and reloading work, not quality "
                          f"(mean |difference| {diff:.3f}); run `mhla-diffusion demo` for a trained model")
-    print(f"[4/4] sampled {len(rows['original'])} {what}s with {steps} steps: original {times['original']:.2f}s, "
+    print(f"[4/4] sampled {counted(len(rows['original']), what)} with {steps} steps: original {times['original']:.2f}s, "
           f"MHLA {times['MHLA, untrained']:.2f}s; mean |difference| {diff:.3f} (untrained conversion) -> {out / 'demo.png'}")
     print(f"done in {time.perf_counter() - t0:.1f}s. Next: `mhla-diffusion info {out / 'mhla'}`")
     return 0
