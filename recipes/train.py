@@ -47,7 +47,9 @@ def main(argv=None):
                                      epilog="config keys (YAML, or --key value on the command line):\n" + config_reference())
     parser.add_argument("--config", help="recipe YAML; any other --key value overrides one of its keys")
     args, rest = parser.parse_known_args(argv)
-    cfg = load_config(args.config, parse_overrides(rest))
+    overrides = parse_overrides(rest)
+    cfg = load_config(args.config, overrides)
+    launch.check_precision(cfg, overrides, args.config)
     resume_from = checkpoint.find_resume(cfg)  # a mismatching checkpoint or a used output_dir fails before anything loads
 
     accelerator = Accelerator(
@@ -84,7 +86,11 @@ def main(argv=None):
     else:
         latent_shape = conditioning.latent_shape(pipe.vae, cfg.resolution, cfg.num_frames, family.video)
     if len(dataset) < cfg.train_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes // cp_size:
-        raise ValueError(f"{len(dataset)} samples in {cfg.data_dir} are fewer than one optimizer step consumes")
+        raise ValueError(f"{len(dataset)} samples in {cfg.data_dir} are fewer than one optimizer step consumes "
+                         f"(train_batch_size {cfg.train_batch_size} x gradient_accumulation_steps "
+                         f"{cfg.gradient_accumulation_steps} x {accelerator.num_processes // cp_size} data-parallel "
+                         f"process(es), from {args.config or 'the recipe defaults'} and the command line): lower "
+                         "--train_batch_size or add data")
 
     distilling = bool(cfg.distill_output or cfg.distill_layers)
     teacher = None

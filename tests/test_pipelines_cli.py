@@ -113,13 +113,17 @@ def test_unknown_option_and_console_entry_points(checkpoints):
     assert "DiTTransformer2DModel" in ok.stdout
 
 
-def test_demo_writes_picture(tmp_path):
-    assert main(["demo", "--out", str(tmp_path), "--steps", "2"]) == 0
+def test_random_weight_demo_writes_a_labelled_picture_and_save_writes_a_pipeline(tmp_path, capsys):
+    assert main(["demo", "--family", "dit", "--out", str(tmp_path), "--steps", "2"]) == 0
     from PIL import Image
 
-    img = Image.open(tmp_path / "demo.png")
-    assert img.width > img.height > 0  # originals above, MHLA below, 4 samples each
+    img = np.asarray(Image.open(tmp_path / "demo.png").convert("L"))
+    assert img.shape[1] > img.shape[0] > 2 * 96  # two labelled rows of 4 samples, each drawn at 96 px
+    assert (img[:, :60] < 128).any()  # the row labels left of the samples
     assert md.persistence.stored_config(tmp_path / "mhla") is not None
+    assert main(["demo", "--save", str(tmp_path / "tiny-wan"), "--family", "wan"]) == 0
+    assert "mhla-diffusion convert" in capsys.readouterr().out
+    assert type(md.persistence.load(tmp_path / "tiny-wan")).__name__ == "WanPipeline"
 
 
 def test_help_shows_defaults_version_and_dtype_names(capsys):

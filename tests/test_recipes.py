@@ -24,22 +24,22 @@ from mhla_diffusion import zoo
 REPO = Path(__file__).resolve().parents[1]
 
 
-def launch_command(script: str, *args, processes: int = 1, launcher=(), env=None) -> tuple[list, dict]:
+def launch_command(script: str, *args, processes: int = 1, launcher=(), env=None, precision="no") -> tuple[list, dict]:
     """(command, environment) of a recipe under `accelerate launch [launcher options]` on the CPU.
 
     accelerate's `--cpu` starts one process whatever `--num_processes` says; `--multi_gpu` with
     ACCELERATE_USE_CPU starts them through torchrun and they join a gloo group."""
     mode = "--cpu" if processes == 1 else "--multi_gpu"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes", str(processes), "--num_machines", "1",
-           mode, "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "recipes" / script), *map(str, args)]
+           mode, "--mixed_precision", precision, "--dynamo_backend", "no", str(REPO / "recipes" / script), *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     return cmd, env
 
 
-def launch(script: str, *args, processes: int = 1, ok: bool = True, launcher=(), env=None) -> str:
+def launch(script: str, *args, processes: int = 1, ok: bool = True, launcher=(), env=None, precision="no") -> str:
     """Run a recipe under `accelerate launch` on the CPU; its output. `ok=False`: it must fail."""
-    cmd, env = launch_command(script, *args, processes=processes, launcher=launcher, env=env)
+    cmd, env = launch_command(script, *args, processes=processes, launcher=launcher, env=env, precision=precision)
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert (run.returncode == 0) == ok, f"{' '.join(cmd)}\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
     return run.stdout + run.stderr

@@ -67,6 +67,18 @@ def test_training_error_is_one_line(tmp_path):
     assert out.count("Traceback") == 1 and "CalledProcessError" in out  # accelerate's own report (no --quiet)
 
 
+def test_messages_name_the_key_to_change(work, tmp_path):
+    """Too little data names the keys that set one step's size; a launch flag the YAML contradicts is refused."""
+    out = launch("train.py", *args(work, tmp_path / "big", "--train_batch_size", "50"), ok=False, launcher=["--quiet"])
+    one_error_line(out, "fewer than one optimizer step consumes (train_batch_size 50 x gradient_accumulation_steps 1 x 1")
+    assert "lower --train_batch_size or add data" in out
+    config = tmp_path / "fp32.yaml"
+    config.write_text("mixed_precision: 'no'\n")
+    out = launch("train.py", "--config", config, *args(work, tmp_path / "bf16"), ok=False, launcher=["--quiet"],
+                 precision="bf16")
+    one_error_line(out, f"accelerate launch --mixed_precision bf16 disagrees with mixed_precision no from {config}")
+
+
 def test_ctrl_c_leaves_whole_checkpoints_and_prints_the_resume_command(work):
     """SIGINT to the launched process group while it saves a checkpoint every step."""
     out = work / "interrupted"

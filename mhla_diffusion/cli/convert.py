@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..config import MIX_INITS
 from ..persistence import DTYPE_NAMES
+from .main import counted
 from ..reference import FEATURE_MAPS
 
 
@@ -56,8 +57,8 @@ def run(args) -> int:
     for name, model in models.items():
         layers = converted_indices(model)
         cfg = model.config["mhla"]
-        print(f"{name or 'transformer'} ({type(model).__name__}): {len(layers)} self-attention "
-              f"layer{'s' if len(layers) != 1 else ''} {done} (blocks={cfg['blocks']}, layers={cfg['layers']})")
+        print(f"{name or 'transformer'} ({type(model).__name__}): {counted(len(layers), 'self-attention layer')} {done} "
+              f"(blocks={cfg['blocks']}, layers={cfg['layers']})")
     print(f"-> {args.dst} in {time.perf_counter() - t0:.1f}s")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..persistence import DTYPE_NAMES
+from .main import counted
 
 
 def _sampling_args(p: argparse.ArgumentParser, steps: int | None = None) -> None:
@@ -55,7 +56,7 @@ def cmd_fid(args) -> int:
                      batch_size=args.batch_size, fid_batch_size=args.fid_batch_size, torch_dtype=_dtype(args),
                      inception_weights=args.inception_weights, max_unreadable=args.max_unreadable)
     if report is not None:  # the main process reports
-        print(f"FID {report['fid']:.3f}  ({report['num_samples']} samples, {report['num_images']} images vs {report['reference']})")
+        print(f"FID {report['fid']:.3f}  ({counted(report['num_samples'], 'sample')}, {counted(report['num_images'], 'image')} vs {report['reference']})")
         if report["reference_unreadable"]:
             files = ", ".join(report["reference_unreadable_files"])
             print(f"reference: skipped {report['reference_unreadable']} unreadable file(s), e.g. {files}")
@@ -73,7 +74,7 @@ def cmd_ref_stats(args) -> int:
     stats = folder_stats(args.folder, inception_weights=args.inception_weights, batch_size=args.batch_size, progress=True,
                          device=_device(), unreadable=unreadable)
     stats.save(args.output)
-    print(f"wrote {args.output}: mu, sigma ({stats.mu.size} features) from n = {stats.n} images")
+    print(f"wrote {args.output}: mu, sigma ({stats.mu.size} features) from {counted(stats.n, 'image')}")
     if unreadable.paths:
         print(unreadable.summary())
     return 0
@@ -85,7 +86,7 @@ def cmd_compare(args) -> int:
     r = run_compare(args.teacher, args.student, args.out, args.num_samples, _settings(args, args.guidance_scale),
                     batch_size=args.batch_size, torch_dtype=_dtype(args), device=_device(), grid_rows=args.grid_rows)
     print(f"PSNR {r['psnr_mean']:.2f} dB  SSIM {r['ssim_mean']:.4f}  latent MSE {r['latent_mse_mean']:.4g} "
-          f"(teacher latent mean square {r['teacher_latent_mean_square']:.4g}), {r['num_samples']} samples")
+          f"(teacher latent mean square {r['teacher_latent_mean_square']:.4g}), {counted(r['num_samples'], 'sample')}")
     print(f"report: {args.out}/compare.json  grid: {r['grid']}")
     return 0
 

@@ -18,6 +18,11 @@ COMMAND_MODULES = ["convert", "transfer", "info", "demo", "eval", "bench"]
 USER_ERRORS = (ValueError, OSError)
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 sample', '3 samples': counts in messages."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def debug_requested(flag: bool = False) -> bool:
     return flag or os.environ.get("MHLA_DEBUG", "") not in ("", "0")
 

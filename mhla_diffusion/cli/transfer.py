@@ -9,6 +9,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .convert import add_config_args, config_overrides
+from .main import counted
 from .eval import _sampling_args, _settings
 
 
@@ -65,7 +66,7 @@ def run(args) -> int:
     print(fit_table(fits))
     for name, m in models.items():
         n = len(converted_indices(m))
-        print(f"{name}: {n} self-attention layer{'s' if n != 1 else ''} MHLA (layers={m.config['mhla']['layers']})")
+        print(f"{name}: {counted(n, 'self-attention layer')} MHLA (layers={m.config['mhla']['layers']})")
     print(f"-> {args.dst} (report: transfer.json, tensorboard: transfer_logs/) in {time.perf_counter() - t0:.1f}s")
     return 0
 

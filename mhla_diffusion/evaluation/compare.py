@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from ..persistence import dtype_name
-from .images import to_uint8
+from .figures import labelled_grid
 from .sampling import SamplingSettings, generate, load_pipeline
 
 
@@ -74,16 +73,15 @@ def latent_mse(teacher: torch.Tensor, student: torch.Tensor) -> list[float]:
     return (student - teacher).pow(2).flatten(1).mean(1).tolist()
 
 
-def side_by_side(teacher: np.ndarray, student: np.ndarray, path, rows: int = 8, min_size: int = 128) -> None:
-    """PNG grid, one row per sample: teacher | student | |difference| x4 (first frame of videos)."""
+def side_by_side(teacher: np.ndarray, student: np.ndarray, path, per: dict, rows: int = 8) -> None:
+    """Labelled PNG, one row per sample (its PSNR and SSIM): teacher | student | |difference| x4
+    (first frame of videos)."""
     pick = lambda x: x[:rows, 0] if x.ndim == 5 else x[:rows]  # noqa: E731
     t, s = pick(teacher), pick(student)
     diff = np.clip(np.abs(s - t) * 4.0, 0.0, 1.0)
-    tiles = np.concatenate([t, s, diff], axis=2)  # (rows, H, 3W, 3)
-    grid = to_uint8(np.concatenate(list(tiles), axis=0))
-    scale = max(1, -(-min_size // t.shape[1]))  # tiny samples are scaled up to stay visible
-    img = Image.fromarray(grid)
-    img.resize((img.width * scale, img.height * scale), Image.NEAREST).save(path)
+    labels = [f"sample {i}\nPSNR {per['psnr'][i]:.1f} dB\nSSIM {per['ssim'][i]:.3f}" for i in range(len(t))]
+    labelled_grid(path, [list(row) for row in zip(t, s, diff)], labels, ["teacher", "student", "|difference| x 4"],
+                  title="teacher vs student, same seeds" + (" (first frame)" if teacher.ndim == 5 else ""))
 
 
 def run_compare(teacher, student, out, num_samples: int, settings: SamplingSettings, *, batch_size: int = 4,
@@ -97,7 +95,7 @@ def run_compare(teacher, student, out, num_samples: int, settings: SamplingSetti
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     grid = out / "compare.png"
-    side_by_side(t_img, s_img, grid, rows=grid_rows)
+    side_by_side(t_img, s_img, grid, per, rows=grid_rows)
     report = {
         "teacher": str(teacher),
         "student": str(student),

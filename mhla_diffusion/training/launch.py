@@ -30,6 +30,17 @@ def resume_command(script: str, argv: list[str]) -> str:
     return shlex.join(["accelerate", "launch", script, *kept, "--resume", "latest"])
 
 
+def check_precision(config, overrides: dict, source) -> None:
+    """`accelerate launch --mixed_precision P` and the recipe's `mixed_precision` must agree: a YAML
+    value must not silently override the launch flag. A `--mixed_precision` given to the recipe itself
+    wins, as any `--key value` does; the launcher's default ("no") defers to the recipe."""
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched not in ("no", config.mixed_precision) and "mixed_precision" not in overrides:
+        raise ValueError(f"accelerate launch --mixed_precision {launched} disagrees with mixed_precision "
+                         f"{config.mixed_precision} from {source or 'the recipe defaults'}: pass --mixed_precision "
+                         f"{launched} to the recipe as well (or change its config)")
+
+
 def run_recipe(main, resumable: bool = False, argv=None) -> int:
     """`main(argv)` (sys.argv by default) as a process exit status."""
     script = sys.argv[0]
