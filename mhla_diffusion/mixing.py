@@ -73,7 +73,7 @@ class MixingMatrices(nn.Module):
     def drift(self) -> dict:
         """How far training moved the matrix at `mix_blocks`: mean |Mc - Mc0| / mean Mc0, and the mean
         row entropy of Mc and of Mc0 (nats; log M is uniform, 0 one block only)."""
-        mc = self(self.mix_blocks).double()
+        mc = self(self.mix_blocks).double().cpu()  # beside the init, wherever the model lives
         mc0 = initial_logits(self.mix_blocks, self.mix_init).double().softmax(dim=-1)
         entropy = lambda m: -(m * m.clamp_min(1e-300).log()).sum(-1).mean().item()  # noqa: E731
         return {"change": ((mc - mc0).abs().mean() / mc0.mean()).item(), "entropy": entropy(mc), "init_entropy": entropy(mc0)}

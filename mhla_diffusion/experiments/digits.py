@@ -344,12 +344,6 @@ def attention_diagnostic(model, s: Settings, seed: int) -> list[dict]:
     return rows
 
 
-def mixing_change(model) -> dict:
-    """`mixing_drift` read on a CPU copy: MixingMatrices.drift compares with an init kept on the CPU
-    and fails on a CUDA model."""
-    return mixing_drift(copy.deepcopy(model).cpu())
-
-
 def curve(losses: list[float]) -> dict:
     every = max(1, len(losses) // 250)
     return {"every": every, "loss": report.smooth(losses, every)}
@@ -384,7 +378,7 @@ def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Resu
                 with timed(results, "attention diagnostic"):
                     results.data.setdefault("attention", {})[variant] = attention_diagnostic(model, s, seed)
             evaluate(results, judge, model, f"{variant}/finetuned", seed, s, out,
-                     {"finetune_steps": s.finetune_steps, **mixing_change(model)})
+                     {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
         del model
     if s.data_free:
         data_free_phase(base, judge, seed, s, results, out, progress)
@@ -419,7 +413,7 @@ def data_free_phase(base, judge: Judge, seed: int, s: Settings, results: Results
                                      f"teacher-only {labels[variant]} seed {seed}", progress, teacher=base)
         results.data["curves"][f"{variant}_teacher/seed{seed}"] = curve(losses)
         evaluate(results, judge, model, f"{variant}/teacher", seed, s, out,
-                 {"finetune_steps": s.finetune_steps, **mixing_change(model)})
+                 {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
         del model
 
 
