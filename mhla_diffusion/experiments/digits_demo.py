@@ -132,7 +132,7 @@ def make_assets(out: Path, preset: str = "full", device=None, progress: bool = T
     accuracy = clf.accuracy(judge, pixel_dit.sample(model, labels, s.sampling_steps, s.guidance, PRETRAIN_SEED), labels)
     facts = {"preset": preset, "card": card(device), "torch": torch.__version__,
              "date": datetime.date.today().isoformat(), "seconds": round(time.perf_counter() - t0, 1),
-             "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+             "command": shlex.join(["python", *sys.argv]),
              "classifier_test_accuracy": round(clf.accuracy(judge, digits.test_images, digits.test_labels), 4),
              "sample_accuracy": round(accuracy, 4), "final_loss": round(sum(losses[-100:]) / len(losses[-100:]), 4),
              "settings": {k: getattr(s, k) for k in PRETRAIN_SETTINGS}}
