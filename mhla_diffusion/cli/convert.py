@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import MIX_INITS
 from ..persistence import DTYPE_NAMES
-from ..reference import FEATURE_MAPS
+from ..ops.feature_maps import FEATURE_MAPS
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,11 @@
-"""Plain PyTorch MHLA: the readable reference every fast path is tested against.
+"""Plain PyTorch MHLA: the readable reference every fast path is tested against (docs/MHLA.md, section 1).
 
 Tokens are gathered into a zero-padded block-major layout (B, heads, M, Lmax, D), so each
 block summary is one einsum; padding slots hold zeros and contribute nothing. Memory is
-O(N D + M D^2) per head: nothing is N x N.
+O(N D + M D^2) per head: nothing is N x N. The op's "torch" backend is `mhla_blocked`.
+
+Below it, `reference_*`: the plain meaning of each Triton launcher of `kernels/mhla.py`, in fp64, which
+tests/kernels_interp.py compares stage by stage (as flash-linear-attention keeps naive.py beside its kernels).
 """
 
 from __future__ import annotations
@@ -10,19 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .blocks import as_grid, block_layout, resolve_blocks
-
-FEATURE_MAPS = {
-    "relu": F.relu,
-    "elu": lambda x: F.elu(x) + 1.0,
-}
-
-
-def feature_map(name: str):
-    try:
-        return FEATURE_MAPS[name]
-    except KeyError:
-        raise ValueError(f"unknown feature map {name!r}; choose one of {sorted(FEATURE_MAPS)}") from None
+from ..blocks import BlockLayout, block_layout
+from .feature_maps import feature_map
 
 
 def apply_rope(x: torch.Tensor, rope) -> torch.Tensor:
@@ -36,59 +28,99 @@ def apply_rope(x: torch.Tensor, rope) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def check_inputs(q, k, v, mix, grid, blocks):
-    """Shapes and the block grid of one call; returns the resolved block grid."""
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(
-            f"q, k, v must be (B, N, heads, D) with matching B, N, heads; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    grid = as_grid(grid)
-    n = grid[0] * grid[1] * grid[2]
-    if q.shape[1] != n:
-        raise ValueError(f"token grid {grid} holds {n} tokens but q has N = {q.shape[1]}")
-    blocks = resolve_blocks(grid, blocks)
-    m = blocks[0] * blocks[1] * blocks[2]
-    if tuple(mix.shape) != (m, m):
-        raise ValueError(f"mix must be ({m}, {m}) for block grid {blocks}, got {tuple(mix.shape)}")
-    return grid, blocks
+def _gather(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """(B, N, h, C) -> (B, h, M, Lmax, C), zeros in padding slots."""
+    return F.pad(x.transpose(1, 2), (0, 0, 0, 1))[:, :, layout.slot_index]
 
 
-def mhla_attention_reference(q, k, v, mix, grid, blocks, *, normalize=True, eps=1e-6, feature="relu", rope=None):
-    """MHLA as the spec writes it; see `mhla_diffusion.mhla_attention` for the arguments."""
-    grid, blocks = check_inputs(q, k, v, mix, grid, blocks)
-    layout = block_layout(grid, blocks, q.device)
-    return mhla_blocked(q, k, v, mix, layout, normalize=normalize, eps=eps, feature=feature, rope=rope)
-
-
-def mhla_blocked(q, k, v, mix, layout, *, normalize, eps, feature, rope, combine=None):
+def mhla_blocked(q, k, v, mix, layout: BlockLayout, options, rope=None, combine=None):
     """MHLA of the tokens `layout` packs into blocks: all of the grid, or one rank's slice of it.
 
     mix: the mixing rows of the layout's blocks (all M rows when the layout holds every block).
-    combine: turns the partial summaries of the layout's blocks, a list of (B, h, M_layout, ...),
-    into the summaries of all M blocks (sequence parallel: scatter, then sum over ranks).
+    options: an `MHLAOptions`. combine: turns the partial summaries of the layout's blocks, a list of
+    (B, h, M_layout, ...), into the summaries of all M blocks (context parallel: scatter, then sum over ranks).
     """
-    phi = feature_map(feature)
+    phi = feature_map(options.feature)
     dt = torch.promote_types(q.dtype, torch.float32)
 
-    def to_blocks(x):  # (B, N, h, D) -> (B, h, M, Lmax, D), zeros in padding slots
-        x = F.pad(x.transpose(1, 2), (0, 0, 0, 1))
-        return x[:, :, layout.slot_index]
+    def to_blocks(x):
+        return _gather(x, layout)
 
     fq, fk = phi(q.to(dt)), phi(k.to(dt))
     rq, rk = (apply_rope(fq, rope), apply_rope(fk, rope)) if rope is not None else (fq, fk)
     mix = mix.to(dt)
 
     sums = [torch.einsum("bhmld,bhmle->bhmde", to_blocks(rk), to_blocks(v.to(dt)))]
-    if normalize:
+    if options.normalize:
         sums.append(to_blocks(fk).sum(dim=3))
     if combine is not None:
         sums = combine(sums)
     mixed = torch.einsum("im,bhmde->bhide", mix, sums[0])
     out = torch.einsum("bhmld,bhmde->bhmle", to_blocks(rq), mixed)
-    if normalize:
+    if options.normalize:
         z = torch.einsum("im,bhmd->bhid", mix, sums[1])
         den = torch.einsum("bhmld,bhmd->bhml", to_blocks(fq), z)
-        out = out / (den.unsqueeze(-1) + eps)
+        out = out / (den.unsqueeze(-1) + options.eps)
     out = out.flatten(2, 3)[:, :, layout.token_slot]  # back to raster order: (B, h, N, D)
     return out.transpose(1, 2).to(v.dtype)
+
+
+# ----------------------------------------------------------------------------- plain meaning of each launcher
+# `g` is the launchers' `kernels.mhla.Geometry` (B, heads, grid, blocks); summaries are block-major (M, B*h, ...).
+
+
+def _to_blocks(x, g):
+    """(B, N, h, C) -> (B*h, M, Lmax, C), zeros in padding slots."""
+    return _gather(x, block_layout(g.grid, g.blocks, x.device)).flatten(0, 1)
+
+
+def _from_blocks(xb, g):
+    """(B*h, M, Lmax, C) -> (B, N, h, C)."""
+    lay = block_layout(g.grid, g.blocks, xb.device)
+    return xb.flatten(1, 2)[:, lay.token_slot].unflatten(0, (g.B, g.heads)).transpose(1, 2)
+
+
+def _per_token(t, g):
+    """A (B*h, N) per-token scalar as a (B, N, h, 1) tensor."""
+    return t.unflatten(0, (g.B, g.heads)).transpose(1, 2).unsqueeze(-1)
+
+
+def _ref_features(x, rope, elu: bool):
+    fx = feature_map("elu" if elu else "relu")(x.double())
+    return fx, (apply_rope(fx, rope) if rope is not None else fx)
+
+
+def reference_summaries(x, y, rope, g, *, elu: bool, y_scale=None, z_weight=None):
+    fx, rx = _ref_features(x, rope, elu)
+    y = y.double() * (_per_token(y_scale, g) if y_scale is not None else 1)
+    fx = fx * (_per_token(z_weight, g) if z_weight is not None else 1)
+    s = torch.einsum("bmld,bmle->mbde", _to_blocks(rx, g), _to_blocks(y, g))
+    return s, _to_blocks(fx, g).sum(2).transpose(0, 1)
+
+
+def reference_output(q, mixed_s, mixed_z, rope, g, *, elu: bool, normalize: bool, eps: float):
+    fq, rq = _ref_features(q, rope, elu)
+    out = torch.einsum("bmld,mbde->bmle", _to_blocks(rq, g), mixed_s.double())
+    if normalize:
+        out = out / (torch.einsum("bmld,mbd->bml", _to_blocks(fq, g), mixed_z.double()).unsqueeze(-1) + eps)
+    return _from_blocks(out, g)
+
+
+def reference_grad(x, y, mat, vec, rope, g, *, elu: bool, stats: bool, use_vec: bool, eps: float):
+    """(dx, dy, rden, c) as `mhla.block_grad` defines them, by autograd through the block products."""
+    x = x.double().requires_grad_()
+    fx, rx = _ref_features(x, rope, elu)
+    mat, vec = mat.double().transpose(0, 1), vec.double().transpose(0, 1)  # block-major -> (B*h, M, ...)
+    p = _from_blocks(torch.einsum("bmle,bmde->bmld", _to_blocks(y.double(), g), mat), g)
+    dy = _from_blocks(torch.einsum("bmld,bmde->bmle", _to_blocks(rx.detach(), g), mat), g)
+    zvec = _from_blocks(vec.unsqueeze(2).expand(-1, -1, _to_blocks(x, g).shape[2], -1), g)
+    rden = c = None
+    weight = 1.0
+    if stats:
+        rden = 1.0 / ((fx.detach() * zvec).sum(-1, keepdim=True) + eps)
+        c = -(rx.detach() * p).sum(-1, keepdim=True) * rden**2
+        p, weight = p * rden, c
+    loss = (rx * p).sum() + ((fx * zvec * weight).sum() if use_vec else 0)
+    (dx,) = torch.autograd.grad(loss, x)
+    flat = lambda t: t.squeeze(-1).transpose(1, 2).flatten(0, 1) if t is not None else None  # noqa: E731
+    return dx, dy, flat(rden), flat(c)
