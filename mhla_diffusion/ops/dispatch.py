@@ -24,6 +24,8 @@ from .options import MHLAOptions
 
 @dataclass(frozen=True)
 class Backend:
+    """`run(q, k, v, mix, geometry, options, rope, group)`, and the constraints a call must meet for it."""
+
     run: Callable
     constraints: tuple = ()
 
