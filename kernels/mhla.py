@@ -1,4 +1,4 @@
-"""Triton kernels for MHLA (MHLA_SPEC.md section 1) on (B, N, heads, D) raster-layout tensors.
+"""Triton kernels for MHLA (docs/MHLA.md, section 1) on (B, N, heads, D) raster-layout tensors.
 
 Three token kernels, each reading the tokens of one block straight from the raster layout (block
 bounds and raster indices are computed in the kernel; nothing is permuted or copied):
@@ -22,27 +22,22 @@ hundred tokens that beats the linear path, whose 4 launches of tiny latency-boun
 more than the arithmetic they save; by 1,024 tokens it no longer does (op.DENSE_MAX_TOKENS).
 Summaries are stored in the type the token kernels multiply them in (`state_dtype`:
 bf16 for bf16 inputs, fp32 otherwise); normalizer sums z are fp32; every accumulation is fp32.
-`reference_*` beside each launcher is the plain PyTorch meaning of that kernel, for tests.
+`mhla_diffusion.ops.naive` holds the plain PyTorch meaning of each launcher (`reference_*`), for tests.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..blocks import as_blocks, as_grid, block_layout
-from ..reference import apply_rope, feature_map
+from ..blocks import BlockGeometry
 
 # Largest tile edge for a summary accumulator, and largest D x Dv tile a program keeps.
 MAX_TILE = 128
 MAX_TILE_AREA = 128 * 128
-# `_raster` divides in fp32: exact for token ranks inside a block below this.
-MAX_BLOCK_TOKENS = 2**21
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -98,7 +93,7 @@ def _raster(r, t0, h0, w0, lh, lw, H, W):
     """Raster token index of the r-th token (raster order) inside a block.
 
     The two divisions by run-time extents are done in fp32 with the row's +0.5 offset (exact for
-    r < MAX_BLOCK_TOKENS, which Geometry enforces): integer division by a run-time divisor costs ~20
+    r < `capabilities.MAX_BLOCK_TOKENS`, which the dispatch checks): integer division by a run-time divisor costs ~20
     instructions per row.
     """
     lhw = lh * lw
@@ -401,20 +396,15 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 
 class Geometry:
-    """Integer arguments shared by all kernels of one call."""
+    """Integer arguments shared by all kernels of one call: the tensors' sizes over the call's block geometry."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, grid, blocks):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, blocks: BlockGeometry):
         self.B, self.N, self.heads, self.D = x.shape
         self.DV = y.shape[-1]
-        self.grid, self.blocks = as_grid(grid), as_blocks(blocks)
-        self.M = self.blocks[0] * self.blocks[1] * self.blocks[2]
+        self.grid, self.blocks = blocks.grid, blocks.blocks
+        self.M = blocks.num_blocks
         self.BH = self.B * self.heads
-        # Longest block: the block grid is a product of per-axis cuts of ceil(L / n) tokens at most.
-        self.max_len = math.prod(-(-length // n) for length, n in zip(self.grid, self.blocks))
-        if self.max_len >= MAX_BLOCK_TOKENS:
-            raise ValueError(f"blocks {self.blocks} of grid {self.grid} hold up to {self.max_len} tokens; the Triton "
-                             f"kernels index blocks of fewer than {MAX_BLOCK_TOKENS} (use more blocks, or "
-                             "backend='torch')")
+        self.max_len = blocks.max_len
         self.args = (*self.grid, *self.blocks)
 
 
@@ -672,64 +662,3 @@ def mhla_backward(do, q, k, v, mix, s, z, rope, g: Geometry, *, elu: bool, norma
     dk, dv, _, _ = block_grad(k, v, mix_blocks(mix_t, ds_mixed, q.dtype), dz, rope,
                               g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
     return dq, dk, dv, dmix.to(mix.dtype)
-
-
-# ----------------------------------------------------------------------------- plain PyTorch meaning of each launcher
-
-
-def _to_blocks(x, g: Geometry):
-    """(B, N, h, C) -> (B*h, M, Lmax, C), zeros in padding slots."""
-    lay = block_layout(g.grid, g.blocks, x.device)
-    return F.pad(x.transpose(1, 2), (0, 0, 0, 1))[:, :, lay.slot_index].flatten(0, 1)
-
-
-def _from_blocks(xb, g: Geometry):
-    """(B*h, M, Lmax, C) -> (B, N, h, C)."""
-    lay = block_layout(g.grid, g.blocks, xb.device)
-    return xb.flatten(1, 2)[:, lay.token_slot].unflatten(0, (g.B, g.heads)).transpose(1, 2)
-
-
-def _per_token(t, g: Geometry):
-    """A (B*h, N) per-token scalar as a (B, N, h, 1) tensor."""
-    return t.unflatten(0, (g.B, g.heads)).transpose(1, 2).unsqueeze(-1)
-
-
-def _ref_features(x, rope, elu: bool):
-    fx = feature_map("elu" if elu else "relu")(x.double())
-    return fx, (apply_rope(fx, rope) if rope is not None else fx)
-
-
-def reference_summaries(x, y, rope, g: Geometry, *, elu: bool, y_scale=None, z_weight=None):
-    fx, rx = _ref_features(x, rope, elu)
-    y = y.double() * (_per_token(y_scale, g) if y_scale is not None else 1)
-    fx = fx * (_per_token(z_weight, g) if z_weight is not None else 1)
-    s = torch.einsum("bmld,bmle->mbde", _to_blocks(rx, g), _to_blocks(y, g))
-    return s, _to_blocks(fx, g).sum(2).transpose(0, 1)
-
-
-def reference_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
-    fq, rq = _ref_features(q, rope, elu)
-    out = torch.einsum("bmld,mbde->bmle", _to_blocks(rq, g), mixed_s.double())
-    if normalize:
-        out = out / (torch.einsum("bmld,mbd->bml", _to_blocks(fq, g), mixed_z.double()).unsqueeze(-1) + eps)
-    return _from_blocks(out, g)
-
-
-def reference_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, eps: float):
-    """(dx, dy, rden, c) as `block_grad` defines them, by autograd through the block products."""
-    x = x.double().requires_grad_()
-    fx, rx = _ref_features(x, rope, elu)
-    mat, vec = mat.double().transpose(0, 1), vec.double().transpose(0, 1)  # block-major -> (B*h, M, ...)
-    p = _from_blocks(torch.einsum("bmle,bmde->bmld", _to_blocks(y.double(), g), mat), g)
-    dy = _from_blocks(torch.einsum("bmld,bmde->bmle", _to_blocks(rx.detach(), g), mat), g)
-    zvec = _from_blocks(vec.unsqueeze(2).expand(-1, -1, _to_blocks(x, g).shape[2], -1), g)
-    rden = c = None
-    weight = 1.0
-    if stats:
-        rden = 1.0 / ((fx.detach() * zvec).sum(-1, keepdim=True) + eps)
-        c = -(rx.detach() * p).sum(-1, keepdim=True) * rden**2
-        p, weight = p * rden, c
-    loss = (rx * p).sum() + ((fx * zvec * weight).sum() if use_vec else 0)
-    (dx,) = torch.autograd.grad(loss, x)
-    flat = lambda t: t.squeeze(-1).transpose(1, 2).flatten(0, 1) if t is not None else None  # noqa: E731
-    return dx, dy, flat(rden), flat(c)

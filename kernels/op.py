@@ -4,33 +4,36 @@
 `mhla.state_dtype`, z fp32) are the only state the backward keeps besides the inputs. Gradients
 flow to q, k, v and mix; RoPE tables get none.
 `mhla_dense` is the forward-only small-N kernel, taken when no gradient is needed.
+The ops take the call's block geometry and options flattened by `op_args` (torch.library schemas take
+ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
 """
 
-import os
 from typing import Optional
 
 import torch
 
+from ..blocks import block_geometry
 from . import mhla
+from .capabilities import FEATURES
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 # Forward calls that need no gradient take the one-launch dense kernel up to this many tokens.
 # H200, bf16, GPU time dense vs linear path: 16 heads x 72 at N = 256 0.034 vs 0.061 ms (eager 0.18
 # vs 0.33), at N = 1,024 0.156 vs 0.151, at N = 4,096 2.92 vs 0.36; 70 x 32 at N = 1,024 0.36 vs 0.09.
 DENSE_MAX_TOKENS = 256
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
-    """Why the Triton path cannot take these inputs, or None if it can."""
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"tensors are on {q.device.type}; the Triton backend needs CUDA (or TRITON_INTERPRET=1 on CPU)"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        return f"q, k, v must share one dtype of {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
-    for name, dim in (("D", q.shape[-1]), ("D_v", v.shape[-1])):
-        if dim % 8 or dim > MAX_HEAD_DIM:
-            return f"head dim {name} = {dim} must be a multiple of 8 up to {MAX_HEAD_DIM}"
-    return None
+def op_args(geometry, options) -> tuple:
+    """A `BlockGeometry` and an `MHLAOptions` as the custom ops take them: (T, H, W, bt, bh, bw), normalize,
+    eps, feature."""
+    return [*geometry.grid, *geometry.blocks], bool(options.normalize), float(options.eps), str(options.feature)
+
+
+def _decode(q, v, geometry, normalize, eps, feature):
+    """The launchers' `Geometry` and keyword options from a custom op's arguments."""
+    if feature not in FEATURES:  # the dispatch refuses these; a direct caller must not get another map
+        raise ValueError(f"the Triton kernels compute the feature maps {FEATURES}, not {feature!r}")
+    g = mhla.Geometry(q, v, block_geometry(geometry[:3], geometry[3:]))
+    return g, dict(elu=feature == "elu", normalize=normalize, eps=eps)
 
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -46,15 +49,15 @@ def _rope(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]):
 def mhla_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-    grid: list[int], blocks: list[int], normalize: bool, eps: float, feature: str,
+    geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = mhla.Geometry(q, v, grid, blocks)
+    g, kw = _decode(q, v, geometry, normalize, eps, feature)
     q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-    return mhla.mhla_forward(q, k, v, mix, _rope(cos, sin), g, elu=feature == "elu", normalize=normalize, eps=eps)
+    return mhla.mhla_forward(q, k, v, mix, _rope(cos, sin), g, **kw)
 
 
 @mhla_fwd.register_fake
-def _(q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature):
+def _(q, k, v, mix, cos, sin, *options):
     b, n, heads, d = q.shape
     dv, m = v.shape[-1], mix.shape[0]
     return (q.new_empty((b, n, heads, dv), dtype=v.dtype),
@@ -66,16 +69,15 @@ def _(q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature):
 def mhla_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
     s: torch.Tensor, z: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-    grid: list[int], blocks: list[int], normalize: bool, eps: float, feature: str,
+    geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = mhla.Geometry(q, v, grid, blocks)
+    g, kw = _decode(q, v, geometry, normalize, eps, feature)
     do, q, k, v = (_inner_contiguous(t) for t in (do.to(v.dtype), q, k, v))
-    return mhla.mhla_backward(do, q, k, v, mix, s, z, _rope(cos, sin), g, elu=feature == "elu",
-                              normalize=normalize, eps=eps)
+    return mhla.mhla_backward(do, q, k, v, mix, s, z, _rope(cos, sin), g, **kw)
 
 
 @mhla_bwd.register_fake
-def _(do, q, k, v, mix, s, z, cos, sin, grid, blocks, normalize, eps, feature):
+def _(do, q, k, v, mix, s, z, cos, sin, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(mix)
 
 
@@ -83,31 +85,31 @@ def _(do, q, k, v, mix, s, z, cos, sin, grid, blocks, normalize, eps, feature):
 def mhla_dense(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-    grid: list[int], blocks: list[int], normalize: bool, eps: float, feature: str,
+    geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> torch.Tensor:
     """Forward only (no autograd registered): the dispatcher uses it when no gradient is needed."""
-    g = mhla.Geometry(q, v, grid, blocks)
+    g, kw = _decode(q, v, geometry, normalize, eps, feature)
     q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-    return mhla.dense_output(q, k, v, mix, _rope(cos, sin), g, elu=feature == "elu", normalize=normalize, eps=eps)
+    return mhla.dense_output(q, k, v, mix, _rope(cos, sin), g, **kw)
 
 
 @mhla_dense.register_fake
-def _(q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature):
+def _(q, k, v, mix, cos, sin, *options):
     return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mix, cos, sin, grid, blocks, normalize, eps, feature = inputs
+    q, k, v, mix, cos, sin, *options = inputs
     _, s, z = output
     ctx.mark_non_differentiable(s, z)
     ctx.save_for_backward(q, k, v, mix, s, z, cos, sin)
-    ctx.options = (grid, blocks, normalize, eps, feature)
+    ctx.options = options
 
 
 def _backward(ctx, do, _ds, _dz):
     q, k, v, mix, s, z, cos, sin = ctx.saved_tensors
     dq, dk, dv, dmix = mhla_bwd(do, q, k, v, mix, s, z, cos, sin, *ctx.options)
-    return dq, dk, dv, dmix, None, None, None, None, None, None, None
+    return dq, dk, dv, dmix, None, None, *(None for _ in ctx.options)
 
 
 mhla_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -123,14 +125,11 @@ def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.float32 else t
 
 
-def mhla_attention_triton(q, k, v, mix, grid, blocks, *, normalize=True, eps=1e-6, feature="relu", rope=None):
-    """The fused path behind `mhla_attention(..., backend="triton")`; inputs already checked."""
-    reason = unsupported_reason(q, k, v)
-    if reason is not None:
-        raise ValueError(f"backend='triton': {reason}")
+def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None):
+    """The fused path behind `mhla_attention(..., backend="triton")`: a `BlockGeometry` and `MHLAOptions` the
+    dispatch has checked against `capabilities`."""
     cos, sin = (None, None) if rope is None else (_table(rope[0], q.dtype), _table(rope[1], q.dtype))
-    args = (q, k, v, mix, cos, sin, [int(x) for x in grid], [int(x) for x in blocks], bool(normalize), float(eps),
-            str(feature))
+    args = (q, k, v, mix, cos, sin, *op_args(geometry, options))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mix))
     if not needs_grad and q.shape[1] <= DENSE_MAX_TOKENS:
         return mhla_dense(*args)

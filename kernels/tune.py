@@ -15,9 +15,9 @@ import math
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from ..blocks import locality_mix
+from ..blocks import block_geometry, locality_mix
+from ..ops import mhla_attention  # the whole op as callers get it: a developer tool, not the kernels' own import
 from . import mhla
-from .op import mhla_attention_triton
 
 SHAPES = {"wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8))}
 SWEEP = {
@@ -42,7 +42,7 @@ def stages(name: str) -> dict:
     """Median ms of each kernel / GEMM of one forward and backward."""
     heads, d, grid, blocks = SHAPES[name]
     q, k, v, do, mix = _inputs(heads, d, grid, blocks)
-    g = mhla.Geometry(q, v, grid, blocks)
+    g = mhla.Geometry(q, v, block_geometry(grid, blocks))
     kw = dict(elu=False, eps=1e-6)
     s, z = mhla.block_summaries(k, v, None, g, elu=False, with_z=True)
     ms, mz = mhla.mix_blocks(mix, s, q.dtype), mhla.mix_blocks(mix, z, q.dtype)
@@ -74,7 +74,7 @@ def op_times(name: str, as_used: bool = False) -> tuple[float, float]:
     if as_used:
         angles = torch.rand(1, q.shape[1], 1, d // 2, device="cuda").repeat_interleave(2, dim=-1) * 6.28
         kw = dict(rope=(angles.cos(), angles.sin()), normalize=False)
-    fn = lambda: mhla_attention_triton(*leaves, grid, blocks, **kw)  # noqa: E731
+    fn = lambda: mhla_attention(*leaves, grid, blocks, backend="triton", **kw)  # noqa: E731
     with torch.no_grad():
         fwd = do_bench_cudagraph(fn, return_mode="median")
     return fwd, do_bench_cudagraph(lambda: fn().backward(do), grad_to_none=leaves, return_mode="median")

@@ -77,6 +77,45 @@ def resolve_blocks(grid, blocks) -> Grid:
     return check_blocks(grid, blocks)
 
 
+@dataclass(frozen=True)
+class BlockGeometry:
+    """A token grid and the block grid that cuts it, checked once: what every stage of one MHLA call shares.
+
+    Built by `block_geometry` (cached per pair), handed from the processor through the dispatch to the kernels.
+    """
+
+    grid: Grid
+    blocks: Grid
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def num_blocks(self) -> int:
+        return math.prod(self.blocks)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens of the longest block: each axis cut holds ceil(L / n) tokens at most."""
+        return math.prod([-(-length // n) for length, n in zip(self.grid, self.blocks)])
+
+    def layout(self, device=None) -> "BlockLayout":
+        return block_layout(self.grid, self.blocks, device)
+
+
+@lru_cache(maxsize=256)
+def _block_geometry(grid: Grid, blocks) -> BlockGeometry:
+    return BlockGeometry(grid, resolve_blocks(grid, blocks))
+
+
+def block_geometry(grid, blocks) -> BlockGeometry:
+    """`grid` ((T, H, W) or (H, W)) cut into `blocks` ('auto', (bt, bh, bw) or (bh, bw)), resolved and checked."""
+    if not isinstance(blocks, str):
+        blocks = as_blocks(blocks)
+    return _block_geometry(as_grid(grid), blocks)
+
+
 def block_of_position(length: int, n: int, pos: torch.Tensor) -> torch.Tensor:
     """Block index of positions along one axis: the i with floor(iL/n) <= p < floor((i+1)L/n)."""
     return ((pos + 1) * n - 1) // length

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from .blocks import as_blocks
-from .reference import FEATURE_MAPS
+from .ops.feature_maps import FEATURE_MAPS
 
 MIX_INITS = ("locality", "uniform", "identity")
 

@@ -2,7 +2,7 @@
 
 `transformer.enable_parallelism(config=ContextParallelConfig(...))` is the API; MHLA processors
 declare `_parallel_config`, so diffusers hands them the mesh and they attend sharded
-(`parallel.py`). `enable_context_parallel` adds what that call lacks for MHLA models: split
+(`ops/context_parallel.py`). `enable_context_parallel` adds what that call lacks for MHLA models: split
 plans for DiT and PixArt (diffusers ships one for Wan only), a check that no self-attention
 layer would silently attend over its own slice only, and CPU-only hosts (gloo). There
 diffusers 0.42.1 fails twice: picking a device (`rank % torch.accelerator.device_count()`, 0),

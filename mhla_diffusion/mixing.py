@@ -53,7 +53,7 @@ class MixingMatrices(nn.Module):
 
     The logits start at log(max(Mc0, FLOOR)), so at `mix_blocks` the first forward reproduces the
     init up to the floor; rows stay in (0, 1) and sum to 1 through any optimizer step
-    (MHLA_SPEC.md, s. 2). Calls on another block grid read the logits resampled to it
+    (docs/MHLA.md, section 2). Calls on another block grid read the logits resampled to it
     (`resample_logits`): one parameter for every resolution, created here and never later.
     """
 

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import resolve_blocks
+from .blocks import block_geometry
 from .config import MHLAConfig
 from .mixing import MixingMatrices
-from .ops import mhla_attention
-from .parallel import context_group, mhla_attention_sharded
+from .ops import MHLAOptions, mhla_op
+from .ops.context_parallel import context_group
 
 # silu(b) = 1 at b = 1 + W(1/e): a zero-weight gate with this bias starts fully open.
 GATE_OPEN_BIAS = 1.278464542761074
@@ -45,6 +45,7 @@ class MHLAProcessorBase(nn.Module):
     def __init__(self, config: MHLAConfig, heads: int, head_dim: int, dim: int, token_grid: TokenGrid):
         super().__init__()
         self.config = config
+        self.options = MHLAOptions.from_config(config)
         self.heads, self.head_dim = heads, head_dim
         if config.mix_blocks is None:
             raise ValueError("MHLAConfig.mix_blocks is unset: build processors with mhla_diffusion.mhla_processors")
@@ -74,16 +75,10 @@ class MHLAProcessorBase(nn.Module):
 
     def attend(self, q, k, v, layer_input, rope=None) -> torch.Tensor:
         """q, k, v: (B, N, heads, D) after the layer's projections and norms -> (B, N, heads*D)."""
-        c = self.config
-        grid = self.current_grid(q.shape[1])
-        blocks = resolve_blocks(grid, c.blocks)
-        mix = self.mixing(blocks)
-        rope = rope if c.rope == "numerator" else None
-        kw = dict(normalize=c.normalize, eps=c.eps, feature=c.feature, rope=rope)
-        if self._parallel_config is None:
-            out = mhla_attention(q, k, v, mix, grid, blocks, **kw)
-        else:
-            out = mhla_attention_sharded(q, k, v, mix, grid, blocks, context_group(self._parallel_config), **kw)
+        geometry = block_geometry(self.current_grid(q.shape[1]), self.config.blocks)
+        rope = rope if self.config.rope == "numerator" else None
+        group = None if self._parallel_config is None else context_group(self._parallel_config)
+        out = mhla_op(q, k, v, self.mixing(geometry.blocks), geometry, self.options, rope=rope, group=group)
         if self.norm_gain is not None:  # fused RMSNorm (fp32 inside): one pass, not six, over a large output
             out = F.rms_norm(out, (out.shape[-1],), eps=1e-6) * self.norm_gain.to(out.dtype)
         out = out.flatten(2)

@@ -5,7 +5,8 @@ import math
 import torch
 
 from mhla_diffusion.blocks import block_layout
-from mhla_diffusion.reference import FEATURE_MAPS, apply_rope
+from mhla_diffusion.ops.feature_maps import FEATURE_MAPS
+from mhla_diffusion.ops.naive import apply_rope
 
 
 def dense_mhla(q, k, v, mix, grid, blocks, normalize=True, eps=1e-6, feature="relu", rope=None):

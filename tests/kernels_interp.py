@@ -16,11 +16,10 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
-from mhla_diffusion.blocks import locality_mix  # noqa: E402
+from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
 from mhla_diffusion.kernels import mhla  # noqa: E402
 from mhla_diffusion.kernels.op import mhla_dense, mhla_fwd  # noqa: E402
-from mhla_diffusion.ops import mhla_attention  # noqa: E402
-from mhla_diffusion.reference import mhla_attention_reference  # noqa: E402
+from mhla_diffusion.ops import mhla_attention, naive  # noqa: E402
 
 # One program per block keeps the interpreter quick; SPLIT cases force several programs per
 # block (atomic summaries, split Gram sums) with small token tiles.
@@ -67,7 +66,7 @@ def op_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normali
     out = mhla_attention(*leaves, grid, blocks, rope=rope32, backend="triton", **kw)
     out.backward(do.to(dtype))
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = mhla_attention_reference(*ref_leaves, grid, blocks, rope=tables, **kw)
+    ref = mhla_attention(*ref_leaves, grid, blocks, rope=tables, backend="torch", **kw)
     ref.backward(do.double())
     errors = {"o": rel(out, ref)}
     errors.update({f"d{x}": rel(a.grad, b.grad) for x, a, b in zip("qkv", leaves, ref_leaves)})
@@ -95,12 +94,12 @@ def dense_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, norm
                                  rope=None if tables is None else tuple(t.float() for t in tables), **kw)
     finally:
         mhla.dense_output = dense_output
-    ref = mhla_attention_reference(q.double(), k.double(), v.double(), mix, grid, blocks, rope=tables, **kw)
+    ref = mhla_attention(q.double(), k.double(), v.double(), mix, grid, blocks, rope=tables, backend="torch", **kw)
     return {"o": rel(out, ref), "dense kernel taken": 0.0 if calls == [1] else math.inf, "dtype": str(out.dtype)}
 
 
 def stage_case(launch):
-    """Each launcher against the plain PyTorch `reference_*` beside it (ragged blocks, RoPE, elu)."""
+    """Each launcher against its plain PyTorch meaning, `ops.naive.reference_*` (ragged blocks, RoPE, elu)."""
     configure(launch)
     gen = torch.Generator().manual_seed(1)
     grid, blocks, heads, d, dv, batch = (3, 5, 7), (2, 2, 3), 2, 24, 40, 2
@@ -108,22 +107,22 @@ def stage_case(launch):
     x = torch.randn(batch, n, heads, d, generator=gen)
     y = torch.randn(batch, n, heads, dv, generator=gen)
     rope = tuple(t.float() for t in rope_tables(n, d, gen))
-    g = mhla.Geometry(x, y, grid, blocks)
+    g = mhla.Geometry(x, y, block_geometry(grid, blocks))
     scale, weight = (torch.rand(g.BH, n, generator=gen) + 0.5 for _ in range(2))
     mat = torch.randn(g.M, g.BH, d, dv, generator=gen)  # block-major, as the kernels keep summaries
     vec = torch.rand(g.M, g.BH, d, generator=gen) + 0.5
     errors = {}
 
     s, z = mhla.block_summaries(x, y, rope, g, elu=True, with_z=True, y_scale=scale, z_weight=weight)
-    s_ref, z_ref = mhla.reference_summaries(x, y, rope, g, elu=True, y_scale=scale, z_weight=weight)
+    s_ref, z_ref = naive.reference_summaries(x, y, rope, g, elu=True, y_scale=scale, z_weight=weight)
     errors["summary S"], errors["summary z"] = rel(s, s_ref), rel(z, z_ref)
 
     o = mhla.block_output(x, mat, vec, rope, g, elu=True, normalize=True, eps=1e-6, out_dtype=torch.float32)
-    errors["output"] = rel(o, mhla.reference_output(x, mat, vec, rope, g, elu=True, normalize=True, eps=1e-6))
+    errors["output"] = rel(o, naive.reference_output(x, mat, vec, rope, g, elu=True, normalize=True, eps=1e-6))
 
     for stats, with_dy in ((True, False), (False, True)):
         got = mhla.block_grad(x, y, mat, vec, rope, g, elu=True, stats=stats, use_vec=True, with_dy=with_dy, eps=1e-6)
-        want = mhla.reference_grad(x, y, mat, vec, rope, g, elu=True, stats=stats, use_vec=True, eps=1e-6)
+        want = naive.reference_grad(x, y, mat, vec, rope, g, elu=True, stats=stats, use_vec=True, eps=1e-6)
         for name, a, b in zip(("dx", "dy", "rden", "c"), got, want):
             if a is not None:
                 errors[f"grad stats={stats} {name}"] = rel(a, b)
@@ -162,7 +161,7 @@ def opcheck_case():
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(1, 24, 2, 8, generator=gen).to(dtype).requires_grad_() for _ in range(3))
         mix = torch.rand(4, 4, generator=gen, requires_grad=True)
-        args = (q, k, v, mix, None, None, [1, 4, 6], [1, 2, 2], True, 1e-6, "relu")
+        args = (q, k, v, mix, None, None, [1, 4, 6, 1, 2, 2], True, 1e-6, "relu")
         torch.library.opcheck(mhla_fwd, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
         detached = tuple(t.detach() if torch.is_tensor(t) else t for t in args)

@@ -72,7 +72,7 @@ def test_self_attention_removed_runs_the_block_without_attention(family, monkeyp
         hook = model.get_submodule("blocks.0.attn1.to_v" if family == "wan" else "transformer_blocks.0.attn1.to_v")
         handle = hook.register_forward_hook(lambda *a: projected.append(1))
         set_attn_processor(model, variant_processors(model, REMOVED, original))
-        monkeypatch.setattr(processors, "mhla_attention", lambda *a, **k: pytest.fail("attention computed"))
+        monkeypatch.setattr(processors, "mhla_op", lambda *a, **k: pytest.fail("attention computed"))
         del calls[:]
         out = model(**kw, return_dict=False)[0]
         handle.remove()

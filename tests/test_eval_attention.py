@@ -14,7 +14,6 @@ from mhla_diffusion.blocks import locality_mix
 from mhla_diffusion.cli.main import main
 from mhla_diffusion.evaluation.attention_capture import LayerCapture
 from mhla_diffusion.evaluation.attention_stats import attention_matrices, layer_stats
-from mhla_diffusion.reference import mhla_attention_reference
 
 HEAD_DIM = 4  # zoo's tiny DiT
 
@@ -64,7 +63,7 @@ def test_dense_matrix_is_what_mhla_computes():
     a = attention_matrices(cap, torch.arange(n))
     for kind in ("softmax", "linear", "mhla"):
         assert torch.allclose(a[kind].sum(-1), torch.ones(()).double())
-    out = mhla_attention_reference(q[None], k[None], v[None], mix, grid, blocks, eps=0.0)[0]
+    out = mhla_diffusion.mhla_attention(q[None], k[None], v[None], mix, grid, blocks, eps=0.0, backend="torch")[0]
     assert torch.allclose(torch.einsum("hnj,jhd->nhd", a["mhla"], v), out, atol=1e-10)
     stats = layer_stats(cap)
     assert stats["linear_rank"] <= d < stats["mhla_rank"]

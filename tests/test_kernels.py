@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from mhla_diffusion import mhla_attention
-from mhla_diffusion.blocks import locality_mix
-from mhla_diffusion.reference import mhla_attention_reference
+from mhla_diffusion.blocks import block_geometry, locality_mix
+from mhla_diffusion.ops import MHLAOptions, dispatch
+from mhla_diffusion.ops.feature_maps import FEATURE_MAPS
+
+from dense import dense_mhla
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "kernels_interp.py"
@@ -85,7 +88,67 @@ def test_auto_backend_on_cpu_is_the_reference():
     q, k, v = (torch.randn(2, 12, 2, 8, generator=g) for _ in range(3))
     mix = locality_mix((1, 2, 2)).float()
     out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), backend="auto")
-    assert torch.equal(out, mhla_attention_reference(q, k, v, mix, (1, 3, 4), (1, 2, 2)))
+    assert torch.equal(out, mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), backend="torch"))
+
+
+def _inputs(d=8, dv=8, dtype=torch.float32, n=12):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, n, 2, d, generator=g).to(dtype) for _ in range(2))
+    return q, k, torch.randn(2, n, 2, dv, generator=g).to(dtype)
+
+
+REFUSALS = {  # what the Triton backend cannot take, and the words of its refusal
+    "device": (dict(), {}, False, "need CUDA"),
+    "dtype": (dict(dtype=torch.float64), {}, False, "share one dtype"),
+    "head dim D": (dict(d=12), {}, False, "D = 12 must be a multiple of 8"),
+    "head dim D_v": (dict(dv=264), {}, False, "D_v = 264 must be a multiple of 8 up to 256"),
+    "feature map": (dict(), dict(feature="cubed"), False, "feature maps \\('relu', 'elu'\\), not 'cubed'"),
+    "sharded": (dict(), {}, True, "no context-parallel"),
+}
+
+
+@pytest.fixture
+def cubed_feature(monkeypatch):
+    """A feature map the reference knows and the kernels do not."""
+    monkeypatch.setitem(FEATURE_MAPS, "cubed", lambda x: x.relu() ** 3)
+
+
+@pytest.mark.parametrize("what", list(REFUSALS))
+def test_triton_refusals_are_explained_and_auto_takes_the_reference(what, monkeypatch, cubed_feature):
+    """Each capability the Triton backend checks: asked for by name it raises why (one line, with what to do);
+    "auto" takes the reference for the same call. Only the device refusal needs TRITON_INTERPRET unset."""
+    shapes, options, sharded, match = REFUSALS[what]
+    if what == "device":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _inputs(**shapes)
+    geometry, opts = block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(**options)
+    with pytest.raises(ValueError, match=f"backend='triton' cannot run this call: .*{match}.*backend='auto'") as err:
+        dispatch.choose("triton", q, k, v, geometry, opts, sharded)
+    assert "\n" not in str(err.value)
+    assert dispatch.choose("auto", q, k, v, geometry, opts, sharded) is dispatch.BACKENDS["torch"]
+
+
+def test_triton_takes_what_it_supports_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _inputs()
+    chosen = dispatch.choose("auto", q, k, v, block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(feature="elu"), False)
+    assert chosen is dispatch.BACKENDS["triton"]
+
+
+def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_feature):
+    """A feature map registered for the reference only is computed as that map under "auto", also where the
+    Triton backend is available, never as one of the kernels' maps; the custom op itself refuses it too."""
+    from mhla_diffusion.kernels import op
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = (t.double() for t in _inputs())
+    mix = locality_mix((1, 2, 2))
+    out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed")
+    torch.testing.assert_close(out, dense_mhla(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed"))
+    with pytest.raises(ValueError, match="not 'cubed'"):
+        op.mhla_dense(q.float(), k.float(), v.float(), mix.float(), None, None, [1, 3, 4, 1, 2, 2], True, 1e-6, "cubed")
 
 
 def test_unknown_backend_is_rejected():
@@ -143,14 +206,14 @@ def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     seen = {}
 
-    def fake_fwd(q, k, v, mix, cos, sin, *rest):
+    def fake_fwd(q, k, v, mix, cos, sin, *options):
         seen.update(cos=cos.dtype, sin=sin.dtype)
         return (torch.zeros_like(v),)
 
     monkeypatch.setattr(op, "mhla_fwd", fake_fwd)
     q = torch.randn(1, 512, 2, 8).to(dtype)  # above DENSE_MAX_TOKENS: the linear path
     angle = torch.rand(1, 512, 1, 8)
-    op.mhla_attention_triton(q, q, q, locality_mix((1, 2, 2)).float(), (1, 16, 32), (1, 2, 2),
-                             rope=(angle.cos(), angle.sin()))
+    op.mhla_attention_triton(q, q, q, locality_mix((1, 2, 2)).float(), block_geometry((1, 16, 32), (1, 2, 2)),
+                             MHLAOptions(), rope=(angle.cos(), angle.sin()))
     expected = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     assert seen == {"cos": expected, "sin": expected}

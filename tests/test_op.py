@@ -1,4 +1,4 @@
-"""The MHLA operator against the dense O(N^2) formula of MHLA_SPEC.md, in fp64."""
+"""The MHLA operator against the dense O(N^2) formula of docs/MHLA.md (section 1), in fp64."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 from mhla_diffusion import mhla_attention
 from mhla_diffusion.blocks import auto_blocks, block_layout, locality_mix
-from mhla_diffusion.reference import FEATURE_MAPS
+from mhla_diffusion.ops.feature_maps import FEATURE_MAPS
 
 from dense import dense_mhla, random_inputs, random_rope
 

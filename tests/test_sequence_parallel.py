@@ -16,7 +16,7 @@ from mhla_diffusion import zoo
 import mhla_diffusion as md
 from mhla_diffusion.blocks import auto_blocks, block_layout
 from mhla_diffusion.context_parallel import cp_plan, enable_context_parallel
-from mhla_diffusion.parallel import comm_bytes, local_layout, token_range
+from mhla_diffusion.ops.context_parallel import comm_bytes, local_layout, token_range
 
 from sp_worker import CASES
 
@@ -110,8 +110,6 @@ def test_comm_bytes_and_readme_table():
 def test_one_rank_group_equals_reference_and_rejects_wrong_slices(tmp_path):
     import torch.distributed as dist
 
-    from mhla_diffusion.parallel import mhla_attention_sharded
-
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         g = torch.Generator().manual_seed(0)
@@ -120,8 +118,8 @@ def test_one_rank_group_equals_reference_and_rejects_wrong_slices(tmp_path):
         mix = torch.rand(8, 8, generator=g, dtype=torch.float64)
         group = dist.group.WORLD
         expected = md.mhla_attention(q, k, v, mix, grid, blocks, normalize=True)
-        torch.testing.assert_close(mhla_attention_sharded(q, k, v, mix, grid, blocks, group, normalize=True), expected)
+        torch.testing.assert_close(md.mhla_attention(q, k, v, mix, grid, blocks, normalize=True, group=group), expected)
         with pytest.raises(ValueError, match=r"rank 0 of 1 got 59, 59, 59 q, k, v tokens.*\[0, 60\)"):
-            mhla_attention_sharded(q[:, 1:], k[:, 1:], v[:, 1:], mix, grid, blocks, group)
+            md.mhla_attention(q[:, 1:], k[:, 1:], v[:, 1:], mix, grid, blocks, group=group)
     finally:
         dist.destroy_process_group()

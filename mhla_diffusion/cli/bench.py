@@ -209,10 +209,12 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
     """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs."""
     from triton.testing import do_bench_cudagraph
 
-    from ..blocks import locality_mix, resolve_blocks
+    from ..blocks import block_geometry, locality_mix
     from ..kernels import op
+    from ..ops import MHLAOptions
 
-    blocks = resolve_blocks(shape.grid, shape.blocks)
+    geometry = block_geometry(shape.grid, shape.blocks)
+    blocks = geometry.blocks
     n, m = math.prod(shape.grid), math.prod(blocks)
     q, k, v, do = (torch.randn(batch, n, shape.heads, shape.d, device="cuda", dtype=dtype) for _ in range(4))
     mix = locality_mix(blocks).float().cuda()
@@ -239,7 +241,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
     if n <= op.DENSE_MAX_TOKENS and (not impls or "mhla" in impls):
         # no-grad forwards here take the dense kernel: time the linear path beside it
         def linear(q, k, v, mix):
-            return op.mhla_fwd(q, k, v, mix, None, None, list(shape.grid), list(blocks), True, 1e-6, "relu")[0]
+            return op.mhla_fwd(q, k, v, mix, None, None, *op.op_args(geometry, MHLAOptions()))[0]
 
         row["linear_graph_fwd_ms"] = _time_op(do_bench_cudagraph, linear, leaves, do, False)
     if profile:
@@ -322,7 +324,7 @@ def run_op(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     report = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch}
     if args.check:
-        from ..kernels.check import run_checks
+        from ..ops.check import run_checks
 
         report["check"] = run_checks()
         if not args.json:

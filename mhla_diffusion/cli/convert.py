@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..config import MIX_INITS
 from ..persistence import DTYPE_NAMES
+from ..ops.feature_maps import FEATURE_MAPS
 from .main import counted
-from ..reference import FEATURE_MAPS
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

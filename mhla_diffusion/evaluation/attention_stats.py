@@ -17,7 +17,8 @@ import math
 import torch
 
 from ..blocks import block_layout
-from ..reference import apply_rope, feature_map
+from ..ops.feature_maps import feature_map
+from ..ops.naive import apply_rope
 from .attention_capture import LayerCapture
 
 KINDS = ("softmax", "linear", "mhla")

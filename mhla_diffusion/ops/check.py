@@ -14,9 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..blocks import locality_mix, resolve_blocks
-from ..reference import mhla_attention_reference
-from . import mhla
-from .op import mhla_attention_triton
+from ..kernels.mhla import state_dtype
+from . import mhla_attention
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 
@@ -64,23 +63,23 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
 
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [mix.clone().requires_grad_()]
     outs = [((batch, n, heads, dv), dtype), ((batch, n, heads, d), dtype), ((batch, n, heads, d), dtype),
-            ((batch, n, heads, dv), dtype), ((m, batch * heads, d, dv), mhla.state_dtype(dtype))]
+            ((batch, n, heads, dv), dtype), ((m, batch * heads, d, dv), state_dtype(dtype))]
     _poison(outs, device)
-    o = mhla_attention_triton(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
-                              **kwargs)
+    o = mhla_attention(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
+                       backend="triton", **kwargs)
     _poison(outs, device)
     o.backward(do.to(dtype))
     torch.cuda.synchronize()
 
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = mhla_attention_reference(*ref_leaves, grid, blocks, rope=rope, **kwargs)
+    ref = mhla_attention(*ref_leaves, grid, blocks, rope=rope, backend="torch", **kwargs)
     ref.backward(do.double())
     errors = {"o": _rel(o, ref)}
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
     _poison(outs[:1], device)
-    with torch.no_grad():  # inference: the dense kernel up to op.DENSE_MAX_TOKENS, the linear path above
-        o = mhla_attention_triton(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
-                                  **kwargs)
+    with torch.no_grad():  # inference: the dense kernel up to kernels.op.DENSE_MAX_TOKENS, the linear path above
+        o = mhla_attention(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
+                           backend="triton", **kwargs)
     errors["o no-grad"] = _rel(o, ref.detach())
     worst = max(errors.values())
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": n, "M": m, "heads": heads, "D": d,

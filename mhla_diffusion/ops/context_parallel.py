@@ -1,4 +1,4 @@
-"""Sequence-parallel MHLA: each rank holds a contiguous slice of the tokens.
+"""Context-parallel MHLA: each rank holds a contiguous slice of the tokens.
 
 Block summaries are sums over tokens, so a rank sums its own tokens into partial summaries of
 the blocks its slice touches, one all-reduce of B * heads * M * (D*D [+ D]) values (independent
@@ -7,7 +7,8 @@ all-reduce is differentiable (its backward all-reduces the gradients), so traini
 
 The slices are diffusers' context-parallel ones (`enable_parallelism`, `_cp_plan`): rank r of
 P holds tokens [start, end) of `torch.tensor_split(N, P)`, which may begin or end mid-frame,
-mid-row or mid-block. The sharded path uses the PyTorch reference operator (no Triton yet).
+mid-row or mid-block. The sharded path is the PyTorch reference operator's (the dispatch refuses
+Triton for it): `mhla_attention(..., group=group)` runs it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .blocks import BlockLayout, block_layout, pack_blocks
-from .reference import check_inputs, mhla_blocked
+from ..blocks import BlockLayout, block_layout, pack_blocks
+from .naive import mhla_blocked
 
 
 def token_range(num_tokens: int, world: int, rank: int) -> tuple[int, int]:
@@ -71,28 +72,24 @@ def _sum_over_ranks(parts, ids, num_blocks, group):
     return [x.view_as(f) for x, f in zip(flat.split(sizes, dim=3), full)]
 
 
-def mhla_attention_sharded(q, k, v, mix, grid, blocks, group, *, normalize=True, eps=1e-6, feature="relu", rope=None):
-    """`mhla_attention` of this rank's token slice; every rank of `group` must call it together.
+def mhla_sharded(q, k, v, mix, geometry, options, rope, group):
+    """The op on this rank's token slice; every rank of `group` must call it together.
 
-    q, k, v: (B, N_local, heads, D), the rank's contiguous slice of the raster order over `grid`
-    (the whole grid's T, H, W); rope, if given, is already sliced the same way.
-    Returns the rank's (B, N_local, heads, D_v).
+    q, k, v: (B, N_local, heads, D), the rank's contiguous slice of the raster order over the whole
+    `geometry.grid`; rope, if given, is already sliced the same way. Returns the rank's (B, N_local, heads, D_v).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    num_tokens = math.prod(grid)
+    num_tokens = geometry.num_tokens
     start, end = token_range(num_tokens, world, rank)
     if any(x.shape[1] != end - start for x in (q, k, v)):
         raise ValueError(
             f"rank {rank} of {world} got {q.shape[1]}, {k.shape[1]}, {v.shape[1]} q, k, v tokens, but its slice of the "
-            f"{num_tokens}-token grid {tuple(grid)} is [{start}, {end}); the sequence must be split contiguously as torch.tensor_split does "
+            f"{num_tokens}-token grid {geometry.grid} is [{start}, {end}); the sequence must be split contiguously as torch.tensor_split does "
             "(diffusers' context parallelism with ring_anything or ulysses_anything for any N)"
         )
-    whole = lambda x: x.new_empty(()).expand(x.shape[0], num_tokens, *x.shape[2:])  # noqa: E731  (shapes only)
-    grid, blocks = check_inputs(whole(q), whole(k), whole(v), mix, grid, blocks)
-    layout, ids = local_layout(grid, blocks, start, end, q.device)
-    m = mix.shape[0]
-    combine = lambda parts: _sum_over_ranks(parts, ids, m, group)  # noqa: E731
-    return mhla_blocked(q, k, v, mix[ids], layout, normalize=normalize, eps=eps, feature=feature, rope=rope, combine=combine)
+    layout, ids = local_layout(geometry.grid, geometry.blocks, start, end, q.device)
+    combine = lambda parts: _sum_over_ranks(parts, ids, geometry.num_blocks, group)  # noqa: E731
+    return mhla_blocked(q, k, v, mix[ids], layout, options, rope, combine=combine)
 
 
 def context_group(parallel_config):

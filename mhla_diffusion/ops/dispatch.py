@@ -1,0 +1,134 @@
+"""The op's one backend choice: each backend lists the calls it can take, and says why not for the others.
+
+A backend is a function of (q, k, v, mix, geometry, options, rope, group) and its constraints, each a
+check of one capability (device, dtype, head dims, feature map, block length, sharded or not) returning
+why the call is out of reach, or None. "auto" takes the first backend in `BACKENDS` whose constraints all
+pass; an explicit backend whose constraint fails raises that reason. (diffusers' attention_dispatch.py
+registers its attention backends with constraint checks the same way.)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..blocks import BlockGeometry
+from ..kernels import capabilities as triton_caps
+from .context_parallel import mhla_sharded
+from .naive import mhla_blocked
+from .options import MHLAOptions
+
+
+@dataclass(frozen=True)
+class Backend:
+    """`run(q, k, v, mix, geometry, options, rope, group)`, and the constraints a call must meet for it."""
+
+    run: Callable
+    constraints: tuple = ()
+
+    def refusal(self, q, k, v, geometry, options, sharded: bool) -> Optional[str]:
+        """The first failed constraint's reason, or None when the backend takes the call."""
+        for check in self.constraints:
+            reason = check(q, k, v, geometry, options, sharded)
+            if reason is not None:
+                return reason
+        return None
+
+
+def _run_torch(q, k, v, mix, geometry, options, rope, group):
+    if group is None:
+        return mhla_blocked(q, k, v, mix, geometry.layout(q.device), options, rope)
+    return mhla_sharded(q, k, v, mix, geometry, options, rope, group)
+
+
+def _run_triton(q, k, v, mix, geometry, options, rope, group):
+    # imported on first use, so the library imports without triton's start-up cost; a plain import
+    # statement, which torch.compile traces (import_module it refuses)
+    from ..kernels import op
+
+    return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope)
+
+
+def _triton_device(q, k, v, geometry, options, sharded):
+    if q.device.type == triton_caps.DEVICE or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"tensors are on {q.device.type}; the Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
+
+
+def _triton_dtype(q, k, v, geometry, options, sharded):
+    if q.dtype == k.dtype == v.dtype and q.dtype in triton_caps.DTYPES:
+        return None
+    return f"q, k, v must share one dtype of {triton_caps.DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+
+
+def _triton_head_dims(q, k, v, geometry, options, sharded):
+    step, top = triton_caps.HEAD_DIM_MULTIPLE, triton_caps.MAX_HEAD_DIM
+    for name, dim in (("D", q.shape[-1]), ("D_v", v.shape[-1])):
+        if dim % step or dim > top:
+            return f"head dim {name} = {dim} must be a multiple of {step} up to {top}"
+    return None
+
+
+def _triton_feature(q, k, v, geometry, options, sharded):
+    if options.feature in triton_caps.FEATURES:
+        return None
+    return f"the Triton kernels compute the feature maps {triton_caps.FEATURES}, not {options.feature!r}"
+
+
+def _triton_block_length(q, k, v, geometry, options, sharded):
+    if geometry.max_len < triton_caps.MAX_BLOCK_TOKENS:
+        return None
+    return (f"blocks {geometry.blocks} of grid {geometry.grid} hold up to {geometry.max_len} tokens; the Triton kernels "
+            f"index blocks of fewer than {triton_caps.MAX_BLOCK_TOKENS} (use more blocks)")
+
+
+def _not_sharded(q, k, v, geometry, options, sharded):
+    return "the Triton kernels have no context-parallel (sharded) path" if sharded else None
+
+
+# In "auto" order: the fused kernels where they apply, the reference (which takes every call) otherwise.
+BACKENDS = {
+    "triton": Backend(_run_triton, (_not_sharded, _triton_device, _triton_dtype, _triton_head_dims, _triton_feature,
+                                    _triton_block_length)),
+    "torch": Backend(_run_torch),
+}
+
+
+def check_inputs(q, k, v, mix, geometry: BlockGeometry, sharded: bool) -> None:
+    """Shapes of one call against its geometry (a sharded call's token slice is checked by `mhla_sharded`)."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"q, k, v must be (B, N, heads, D) with matching B, N, heads; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not sharded and q.shape[1] != geometry.num_tokens:
+        raise ValueError(f"token grid {geometry.grid} holds {geometry.num_tokens} tokens but q has N = {q.shape[1]}")
+    m = geometry.num_blocks
+    if tuple(mix.shape) != (m, m):
+        raise ValueError(f"mix must be ({m}, {m}) for block grid {geometry.blocks}, got {tuple(mix.shape)}")
+
+
+def choose(backend: str, q, k, v, geometry, options, sharded: bool) -> Backend:
+    """The backend that runs this call: `backend` itself if it takes it, for "auto" the first that does."""
+    if backend == "auto":
+        for candidate in BACKENDS.values():
+            if candidate.refusal(q, k, v, geometry, options, sharded) is None:
+                return candidate
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
+    reason = BACKENDS[backend].refusal(q, k, v, geometry, options, sharded)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run this call: {reason}; backend='auto' falls back to "
+                         "the PyTorch reference")
+    return BACKENDS[backend]
+
+
+def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, geometry: BlockGeometry,
+            options: MHLAOptions, *, rope=None, backend: str = "auto", group=None) -> torch.Tensor:
+    """`mhla_attention` with the block geometry and options already resolved (processors build both once)."""
+    sharded = group is not None
+    check_inputs(q, k, v, mix, geometry, sharded)
+    return choose(backend, q, k, v, geometry, options, sharded).run(q, k, v, mix, geometry, options, rope, group)
