@@ -100,7 +100,7 @@ def register(sub) -> None:
     p.add_argument("--save", metavar="DIR", help="only write a tiny random-weight pipeline (of --family, default dit) to DIR")
     p.add_argument("--out", default="outputs/demo", help="folder for the converted model, demo.png and summary.json")
     p.add_argument("--steps", type=int, default=0, help="denoising steps (0: 20 for the digits demo, 10 with --family)")
-    p.add_argument("--per-class", type=int, default=3, help="digits demo: samples per digit in each row")
+    p.add_argument("--per-class", type=int, default=2, help="digits demo: samples per digit in each row")
     p.add_argument("--transfer-steps", type=int, default=150, help="digits demo: attention-transfer steps per layer")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,7 @@ PRETRAIN_SETTINGS = ("resolution", "patch_size", "layers", "heads", "head_dim", 
 
 @dataclass(frozen=True)
 class DemoSettings:
-    per_class: int = 3  # samples per digit in each row
+    per_class: int = 2  # samples per digit in each row
     steps: int = 20  # DDIM steps
     guidance: float = 1.5
     blocks: tuple = (1, 4, 4)  # MHLA's block grid: 16 blocks of 4 x 4 tokens (M^2 = N)
