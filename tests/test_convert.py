@@ -6,7 +6,7 @@ import torch
 import mhla_diffusion as md
 from mhla_diffusion import zoo
 from mhla_diffusion.conversion import mhla_modules
-from mhla_diffusion.families import self_attentions
+from mhla_diffusion.families import family_by_name, self_attentions
 
 from dense import dense_mhla
 
@@ -18,9 +18,13 @@ def inputs(family, size, batch=2, frames=3, seed=0):
     t = torch.tensor([10, 500][:batch])
     if family == "dit":
         return dict(hidden_states=torch.randn(batch, 4, h, w, generator=g), timestep=t, class_labels=torch.tensor([1, 3][:batch]))
-    if family == "wan":
-        return dict(hidden_states=torch.randn(batch, 16, frames, h, w, generator=g), timestep=t,
-                    encoder_hidden_states=torch.randn(batch, 5, 16, generator=g))
+    tiny = family_by_name(family).tiny
+    if family_by_name(family).video:  # Wan and its relatives, from their tiny configs (VACE: a control video too)
+        kw = dict(hidden_states=torch.randn(batch, tiny["in_channels"], frames, h, w, generator=g), timestep=t,
+                  encoder_hidden_states=torch.randn(batch, 5, tiny["text_dim"], generator=g))
+        if "vace_in_channels" in tiny:
+            kw["control_hidden_states"] = torch.randn(batch, tiny["vace_in_channels"], frames, h, w, generator=g)
+        return kw
     x = torch.randn(batch, 4, h, w, generator=g)
     ctx = torch.randn(batch, 5, 8, generator=g)
     if family == "pixart":
@@ -51,7 +55,7 @@ def test_convert_forward_backward_save_reload(family, tmp_path):
     loss.backward()
     mixing = [p for n, p in model.named_parameters() if n.endswith(".mixing.logits")]
     assert mixing and all(p.grad is not None and p.grad.abs().sum() > 0 for p in mixing)
-    assert model.transformer_blocks[0].attn1.to_q.weight.grad is not None if family != "wan" else model.blocks[0].attn1.to_q.weight.grad is not None
+    assert self_attentions(model)[0].to_q.weight.grad is not None
 
     with torch.no_grad():  # pretend training moved the mixing matrices
         for p in mixing:

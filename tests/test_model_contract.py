@@ -167,19 +167,10 @@ def test_diffusers_processor_api_keeps_the_config_true(tmp_path):
     assert not md.is_converted(wan) and "mhla" not in wan.config
 
 
-def two_expert_wan_pipeline():
-    """A Wan2.2 A14B-like pipeline: a high-noise and a low-noise expert."""
-    pipe = zoo.build_pipeline("wan")
-    import diffusers
-
-    return diffusers.WanPipeline(pipe.tokenizer, pipe.text_encoder, pipe.vae, pipe.scheduler, pipe.transformer,
-                                 transformer_2=zoo.build_transformer("wan", seed=1), boundary_ratio=0.5)
-
-
 def test_every_transformer_of_a_pipeline_converts_and_plain_diffusers_loads_it(tmp_path, diffusers_log, capsys):
     import diffusers
 
-    pipe = two_expert_wan_pipeline()
+    pipe = zoo.build_pipeline("wan2.2-a14b")  # a high-noise and a low-noise expert
     pipe.set_progress_bar_config(disable=True)
     md.convert(pipe)
     assert md.is_converted(pipe.transformer) and md.is_converted(pipe.transformer_2)
@@ -200,7 +191,7 @@ def test_every_transformer_of_a_pipeline_converts_and_plain_diffusers_loads_it(t
     alone = md.MHLAWanTransformer3DModel.from_pretrained(tmp_path / "pipe" / "transformer_2")
     torch.testing.assert_close(alone.state_dict(), pipe.transformer_2.state_dict())
 
-    zoo_pipe = two_expert_wan_pipeline()
+    zoo_pipe = zoo.build_pipeline("wan2.2-a14b")
     zoo_pipe.save_pretrained(tmp_path / "original")
     assert main(["convert", str(tmp_path / "original"), str(tmp_path / "cli")]) == 0
     assert "transformer_2 (MHLAWanTransformer3DModel): 2 self-attention layers converted" in capsys.readouterr().out

@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The sizes `bench model --resolution` names for video: (height, width) in pixels.
+# The sizes `bench model --resolution` names for video: (height, width) in pixels; "HxW" names any other.
 VIDEO_SIZES = {"480p": (480, 832), "720p": (720, 1280)}
+
+
+def pixel_size(resolution: str) -> tuple[int, int]:
+    """(height, width) of a VIDEO_SIZES name, an "HxW" string ("704x1280") or one number (square)."""
+    if resolution in VIDEO_SIZES:
+        return VIDEO_SIZES[resolution]
+    h, _, w = str(resolution).partition("x")
+    return int(h), int(w or h)
 
 
 @dataclass(frozen=True)
@@ -28,10 +36,11 @@ class RealModel:
     resolution: str  # the size it runs at: pixels, or a VIDEO_SIZES name
     text: tuple[int, int] | None = None  # (tokens, width) of its text encoder's output; None: class-conditional
     temporal_factor: int | None = None  # temporal VAE downsampling (video); None for images
+    frames: int = 81  # the video length it runs at (`bench model --frames` default)
 
     def latent_shape(self, resolution: str, frames: int) -> tuple:
-        """(C, H, W) or (C, F, H, W) of the latent at `resolution` (pixels or a VIDEO_SIZES name)."""
-        h, w = VIDEO_SIZES.get(resolution) or (int(resolution), int(resolution))
+        """(C, H, W) or (C, F, H, W) of the latent at `resolution` (pixels, "HxW" or a VIDEO_SIZES name)."""
+        h, w = pixel_size(resolution)
         f = self.vae_factor
         if h % f or w % f:
             raise ValueError(f"resolution {resolution} is not a multiple of the VAE factor {f}")
@@ -43,12 +52,21 @@ class RealModel:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A named tiny member of a family (`zoo.build_transformer(name)`, `zoo.build_pipeline(name)`)."""
+
+    config: dict = field(default_factory=dict)  # overrides of the family's tiny config
+    pipeline: dict = field(default_factory=dict)  # keyword arguments of the family's `build_pipeline`
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     class_names: tuple[str, ...]  # the diffusers transformer classes of the family
     processor: type  # the MHLA processor of its self-attention layers
     tiny: dict  # a tiny transformer config (diffusers' own tests' sizes), built offline in tests and the demo
     real: dict[str, RealModel] = field(default_factory=dict)  # `bench model` names -> published configs
+    variants: dict[str, Variant] = field(default_factory=dict)  # tiny members by name (e.g. "wan2.2-ti2v")
     block_list: str = "transformer_blocks"  # attribute holding the blocks; self-attention is `<block>.attn1`
     defaults: dict = field(default_factory=dict)  # MHLAConfig fields of the released variant
     # pipeline arguments to sample at the asked height/width (PixArt and SANA snap to aspect-ratio bins)
@@ -139,8 +157,9 @@ class Family:
         return dict(prompt="a photo of a red cat", max_sequence_length=16, height=32, width=32, **self.any_size,
                     **self.validation_kwargs, **({"num_frames": 5} if self.video else {}))
 
-    def build_pipeline(self, transformer):
-        """A complete tiny pipeline around `transformer` (random-weight VAE, text encoder, scheduler)."""
+    def build_pipeline(self, transformer, **options):
+        """A complete tiny pipeline around `transformer` (random-weight VAE, text encoder, scheduler);
+        `options`: a variant's `pipeline` arguments."""
         raise NotImplementedError(f"{self.name} has no tiny pipeline")
 
 
