@@ -1,4 +1,5 @@
-"""Wan's family members: Wan2.2 TI2V-5B and the two-expert A14B pipelines (variants of `wan`).
+"""Wan's family members: Wan2.2 TI2V-5B and the two-expert A14B pipelines (variants of `wan`), and the
+Wan-derived families SkyReels-V2 (`families/skyreels.py`).
 
 Conversion of every self-attention layer (and every expert), a forward at two sizes, save/reload
 through plain diffusers and `md.from_pretrained`, the CLI (`convert`, `info`), the real configs of
@@ -6,6 +7,7 @@ through plain diffusers and `md.from_pretrained`, the CLI (`convert`, `info`), t
 """
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -124,7 +126,7 @@ def test_wan22_real_configs_are_the_published_ones():
     assert 4.9e9 < params < 5.1e9
 
 
-@pytest.mark.parametrize("name", ["wan2.2-ti2v"])
+@pytest.mark.parametrize("name", ["wan2.2-ti2v", "skyreels"])
 def test_wan_processor_matches_the_dense_formula(name):
     """fp64, blocks of one token each and of several: the converted layer is the dense MHLA formula."""
     check_dense(zoo.build_transformer(name).double(), lambda m: self_attentions(m)[0])
@@ -204,3 +206,40 @@ def test_recipe_trains_the_low_noise_expert_of_a_pipeline_whose_other_expert_is_
     assert high_before.keys() == high_after.keys() and all(torch.equal(high_before[k], high_after[k]) for k in high_before)
     final = md.from_pretrained(out / "final")
     assert md.is_converted(final.transformer) and md.is_converted(final.transformer_2)
+
+
+# --- SkyReels-V2: Wan's blocks, processor and variant
+
+
+def test_skyreels_converts_every_layer_runs_at_two_sizes_and_reloads(tmp_path):
+    model = check_converts_runs_two_sizes_and_reloads("skyreels", tmp_path)
+    assert type(model).__name__ == "MHLASkyReelsV2Transformer3DModel"
+    assert default_grid(model) == ((25, 34, 60), "544 x 960 x 97 frames")
+    cfg = md.persistence.stored_config(tmp_path / "t")
+    assert (cfg.normalize, cfg.output_norm) == (False, True)  # the released Wan variant
+
+
+def test_skyreels_pipeline_round_trips_through_plain_diffusers_and_the_cli(tmp_path, capsys):
+    pipe = check_pipeline_roundtrip_and_cli("skyreels", tmp_path, capsys)
+    assert type(pipe).__name__ == "SkyReelsV2Pipeline"
+
+
+def test_skyreels_diffusion_forcing_mask_is_refused_and_the_fps_embedding_is_fed():
+    model = zoo.build_transformer("skyreels", num_frame_per_block=2)  # diffusion forcing: frame-causal mask
+    md.convert(model)
+    with pytest.raises(ValueError, match="diffusion forcing"):
+        forward(model, (4, 4), 4)
+    model = zoo.build_transformer("skyreels", inject_sample_info=True)  # DF checkpoints embed the fps
+    md.convert(model)
+    _, real = real_model("skyreels-v2-df-1.3b-540p")
+    fam = family_of(model)
+    inputs = fam.bench_inputs(model, replace(real, text=(5, 16)), (16, 3, 4, 4), 2)  # as `bench model` calls it
+    assert inputs["fps"] == [1, 1] and torch.isfinite(model(**inputs, return_dict=False)[0]).all()
+
+
+def test_skyreels_real_configs():
+    _, df = real_model("skyreels-v2-df-1.3b-540p")
+    assert (df.config["num_attention_heads"], df.config["num_layers"], df.config["inject_sample_info"]) == (12, 30, True)
+    assert df.latent_shape(df.resolution, df.frames) == (16, 25, 68, 120)
+    _, t2v = real_model("skyreels-v2-t2v-14b-720p")
+    assert t2v.config == real_model("wan2.1-14b")[1].config and t2v.latent_shape(t2v.resolution, t2v.frames) == (16, 31, 90, 160)
