@@ -1,5 +1,5 @@
 """Wan's family members: Wan2.2 TI2V-5B and the two-expert A14B pipelines (variants of `wan`), and the
-Wan-derived families SkyReels-V2 (`families/skyreels.py`).
+Wan-derived families SkyReels-V2 (`families/skyreels.py`) and Wan-VACE (`families/vace.py`).
 
 Conversion of every self-attention layer (and every expert), a forward at two sizes, save/reload
 through plain diffusers and `md.from_pretrained`, the CLI (`convert`, `info`), the real configs of
@@ -126,10 +126,10 @@ def test_wan22_real_configs_are_the_published_ones():
     assert 4.9e9 < params < 5.1e9
 
 
-@pytest.mark.parametrize("name", ["wan2.2-ti2v", "skyreels"])
-def test_wan_processor_matches_the_dense_formula(name):
-    """fp64, blocks of one token each and of several: the converted layer is the dense MHLA formula."""
-    check_dense(zoo.build_transformer(name).double(), lambda m: self_attentions(m)[0])
+@pytest.mark.parametrize("name,layer", [("wan2.2-ti2v", 0), ("skyreels", 0), ("vace", 0), ("vace", -1)])
+def test_wan_processor_matches_the_dense_formula(name, layer):
+    """fp64: the converted layer (VACE: a main block's and a control block's) is the dense MHLA formula."""
+    check_dense(zoo.build_transformer(name).double(), lambda m: self_attentions(m)[layer])
 
 
 def check_dense(model, pick, blocks=(1, 2, 2), frames=2, size=(4, 4)):
@@ -243,3 +243,69 @@ def test_skyreels_real_configs():
     assert df.latent_shape(df.resolution, df.frames) == (16, 25, 68, 120)
     _, t2v = real_model("skyreels-v2-t2v-14b-720p")
     assert t2v.config == real_model("wan2.1-14b")[1].config and t2v.latent_shape(t2v.resolution, t2v.frames) == (16, 31, 90, 160)
+
+
+# --- Wan-VACE: main blocks and control blocks
+
+
+def test_vace_converts_main_and_control_blocks_runs_at_two_sizes_and_reloads(tmp_path):
+    model = check_converts_runs_two_sizes_and_reloads("vace", tmp_path)
+    paths = family_of(model).self_attention_paths(dict(model.config))
+    assert paths == ["blocks.0.attn1", "blocks.1.attn1", "blocks.2.attn1", "blocks.3.attn1", "vace_blocks.0.attn1",
+                     "vace_blocks.1.attn1"]
+    assert sorted(mhla_modules(md.from_pretrained(tmp_path / "t"))) == sorted(f"{p}.processor" for p in paths)
+
+
+def test_vace_control_blocks_can_keep_softmax():
+    """layers count the main blocks first: 0..3 converts them and leaves the control blocks as they were."""
+    model = zoo.build_transformer("vace")
+    original = type(model.vace_blocks[0].attn1.processor)
+    md.convert(model, md.default_config(model, layers=[0, 1, 2, 3]))
+    assert converted_indices(model) == [0, 1, 2, 3] and all(type(b.attn1.processor) is original for b in model.vace_blocks)
+    assert torch.isfinite(forward(model, (8, 8), 3)).all()
+
+
+def test_vace_pipeline_round_trips_through_plain_diffusers_and_the_cli(tmp_path, capsys):
+    pipe = check_pipeline_roundtrip_and_cli("vace", tmp_path, capsys)
+    assert type(pipe).__name__ == "WanVACEPipeline"
+    assert main(["info", str(tmp_path / "cli"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["models"]["transformer"]
+    assert info["converted_layers"] == list(range(6)) and "vace_blocks.1.attn1" in info["mhla_layers"]
+
+
+def test_vace_training_needs_a_control_video_and_bench_feeds_one():
+    model = zoo.build_transformer("vace")
+    fam = family_of(model)
+    x = torch.randn(1, 16, 3, 8, 8)
+    with pytest.raises(ValueError, match="control_hidden_states"):
+        fam.transformer_inputs(model, x, torch.tensor([500]), {"prompt_embeds": torch.randn(1, 5, 16)})
+    _, real = real_model("wan2.1-vace-1.3b")
+    inputs = fam.bench_inputs(model, replace(real, text=(5, 16)), (16, 3, 8, 8), 1)
+    assert inputs["control_hidden_states"].shape == (1, 96, 3, 8, 8)
+    assert torch.isfinite(model(**inputs, return_dict=False)[0]).all()
+
+
+def test_vace_real_configs():
+    for name, layers, control in (("wan2.1-vace-1.3b", 30, 15), ("wan2.1-vace-14b", 40, 8)):
+        _, real = real_model(name)
+        base = real_model(name.replace("vace-", ""))[1].config
+        assert {k: v for k, v in real.config.items() if not k.startswith("vace_")} == base
+        assert (real.config["num_layers"], len(real.config["vace_layers"]), real.config["vace_in_channels"]) == (layers, control, 96)
+
+
+def test_vace_samples_one_prompt_per_call_and_transfer_fits_its_control_blocks(tmp_path, capsys):
+    from mhla_diffusion.evaluation.sampling import SamplingSettings, call_kwargs
+
+    pipe = zoo.build_pipeline("vace")
+    settings = SamplingSettings(prompts=["a red cat", "a blue dog"], seed=3)
+    kwargs = call_kwargs(pipe, [1], settings)
+    assert kwargs["prompt"] == "a blue dog" and kwargs["generator"].initial_seed() == 4
+    with pytest.raises(ValueError, match="batch size 1"):
+        call_kwargs(pipe, [0, 1], settings)
+    pipe.save_pretrained(tmp_path / "src")
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    assert main(["transfer", str(tmp_path / "src"), str(tmp_path / "dst"), "--prompts", str(tmp_path / "prompts.txt"),
+                 "--num-samples", "1", "--batch-size", "1", "--steps-per-layer", "2", "--steps", "2", "--height", "32",
+                 "--width", "32", "--num-frames", "5"]) == 0
+    assert "transformer/vace_blocks.1.attn1" in capsys.readouterr().out
+    assert converted_indices(md.from_pretrained(tmp_path / "dst").transformer) == list(range(6))

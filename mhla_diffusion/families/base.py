@@ -133,11 +133,14 @@ class Family:
         device, dtype = transformer.device, transformer.dtype
         x = torch.randn(batch, *latent, device=device, dtype=dtype)
         t = torch.full((batch,), 500, device=device, dtype=torch.long)
+        return self.transformer_inputs(transformer, x, t, self.bench_conditioning(transformer, real, latent, batch))
+
+    def bench_conditioning(self, transformer, real: RealModel, latent: tuple, batch: int) -> dict:
+        """The random conditioning of `bench_inputs`, as the batch dict `transformer_inputs` reads."""
+        device, dtype = transformer.device, transformer.dtype
         if real.text is None:
-            cond = {"class_label": torch.zeros(batch, dtype=torch.long, device=device)}
-        else:
-            cond = {"prompt_embeds": torch.randn(batch, *real.text, device=device, dtype=dtype)}
-        return self.transformer_inputs(transformer, x, t, cond)
+            return {"class_label": torch.zeros(batch, dtype=torch.long, device=device)}
+        return {"prompt_embeds": torch.randn(batch, *real.text, device=device, dtype=dtype)}
 
     # --- sampling ---
     def call_kwargs(self, pipe, indices: list[int], settings) -> dict:
