@@ -58,16 +58,29 @@ def check_converts_runs_two_sizes_and_reloads(name, tmp_path):
     return model
 
 
-def check_pipeline_roundtrip_and_cli(name, tmp_path, capsys, experts=("transformer",)):
+def check_pipeline_roundtrip_and_cli(name, tmp_path, capsys, experts=("transformer",), sampling=True):
     """The tiny pipeline samples after conversion; plain diffusers and md reload it as MHLA; the CLI converts
-    the saved original and `info` reports every expert converted."""
+    the saved original and `info` reports every expert converted. `sampling=False`: the CLI part only (a
+    family's sampling and reload are in the family-parametrized tests of test_pipelines_cli/test_model_contract)."""
+    pipe = zoo.build_pipeline(name)
+    pipe.save_pretrained(tmp_path / "original")
+    if sampling:
+        check_samples_and_reloads(pipe, tmp_path, experts)
+    assert main(["convert", str(tmp_path / "original"), str(tmp_path / "cli")]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{e} (MHLA" in out for e in experts)
+    assert main(["info", str(tmp_path / "cli"), "--json"]) == 0
+    models = json.loads(capsys.readouterr().out)["models"]
+    assert sorted(models) == sorted(experts) and all(m["converted"] for m in models.values())
+    return pipe
+
+
+def check_samples_and_reloads(pipe, tmp_path, experts):
     import diffusers
 
-    pipe = zoo.build_pipeline(name)
     pipe.set_progress_bar_config(disable=True)
     family = family_of(pipe.transformer).name
     before = sample(pipe, family, seed=0, steps=2)
-    pipe.save_pretrained(tmp_path / "original")
     md.convert(pipe)
     assert all(md.is_converted(getattr(pipe, e)) for e in experts)
     after = sample(pipe, family, seed=0, steps=2)
@@ -77,14 +90,6 @@ def check_pipeline_roundtrip_and_cli(name, tmp_path, capsys, experts=("transform
         loaded = load(tmp_path / "mhla")
         loaded.set_progress_bar_config(disable=True)
         np.testing.assert_array_equal(sample(loaded, family, seed=0, steps=2), after)
-
-    assert main(["convert", str(tmp_path / "original"), str(tmp_path / "cli")]) == 0
-    out = capsys.readouterr().out
-    assert all(f"{e} (MHLA" in out for e in experts)
-    assert main(["info", str(tmp_path / "cli"), "--json"]) == 0
-    models = json.loads(capsys.readouterr().out)["models"]
-    assert sorted(models) == sorted(experts) and all(m["converted"] for m in models.values())
-    return pipe
 
 
 # --- Wan2.2 TI2V-5B: the 48-channel latent, its VAE and default size
@@ -111,6 +116,31 @@ def test_a14b_pipeline_converts_both_experts():
     md.convert(pipe)
     assert [len(mhla_modules(t)) for t in (pipe.transformer, pipe.transformer_2)] == [2, 2]
     # save/reload and the CLI of both experts: test_model_contract.py::test_every_transformer_of_a_pipeline_converts...
+
+
+def test_a14b_i2v_pipeline_converts_both_experts_and_plain_diffusers_reloads_them(tmp_path):
+    """Wan2.2 I2V-A14B's layout: two 36-channel experts (latent + mask + image latent), no image encoder."""
+    import diffusers
+    from PIL import Image
+
+    from mhla_diffusion.families.wan import tiny_text_encoder, tiny_vae
+
+    experts = [zoo.build_transformer("wan", seed=s, in_channels=36) for s in (0, 1)]
+    pipe = diffusers.WanImageToVideoPipeline(zoo.tiny_tokenizer(), tiny_text_encoder(), tiny_vae(),
+                                             diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=experts[0],
+                                             transformer_2=experts[1], boundary_ratio=0.9)
+    pipe.set_progress_bar_config(disable=True)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    call = lambda p: p(image=image, prompt="a red cat", max_sequence_length=16, height=32, width=32, num_frames=5,  # noqa: E731
+                       num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).frames[0]
+    md.convert(pipe)
+    assert md.is_converted(pipe.transformer) and md.is_converted(pipe.transformer_2)
+    expected = call(pipe)
+    pipe.save_pretrained(tmp_path)
+    loaded = diffusers.DiffusionPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert type(loaded.transformer_2).__name__ == "MHLAWanTransformer3DModel"
+    np.testing.assert_array_equal(call(loaded), expected)
 
 
 def test_wan22_real_configs_are_the_published_ones():
@@ -219,8 +249,8 @@ def test_skyreels_converts_every_layer_runs_at_two_sizes_and_reloads(tmp_path):
     assert (cfg.normalize, cfg.output_norm) == (False, True)  # the released Wan variant
 
 
-def test_skyreels_pipeline_round_trips_through_plain_diffusers_and_the_cli(tmp_path, capsys):
-    pipe = check_pipeline_roundtrip_and_cli("skyreels", tmp_path, capsys)
+def test_skyreels_pipeline_through_the_cli(tmp_path, capsys):
+    pipe = check_pipeline_roundtrip_and_cli("skyreels", tmp_path, capsys, sampling=False)
     assert type(pipe).__name__ == "SkyReelsV2Pipeline"
 
 
@@ -265,8 +295,8 @@ def test_vace_control_blocks_can_keep_softmax():
     assert torch.isfinite(forward(model, (8, 8), 3)).all()
 
 
-def test_vace_pipeline_round_trips_through_plain_diffusers_and_the_cli(tmp_path, capsys):
-    pipe = check_pipeline_roundtrip_and_cli("vace", tmp_path, capsys)
+def test_vace_pipeline_through_the_cli(tmp_path, capsys):
+    pipe = check_pipeline_roundtrip_and_cli("vace", tmp_path, capsys, sampling=False)
     assert type(pipe).__name__ == "WanVACEPipeline"
     assert main(["info", str(tmp_path / "cli"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)["models"]["transformer"]
