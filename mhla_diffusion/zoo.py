@@ -10,24 +10,25 @@ from __future__ import annotations
 import torch
 
 from .families import FAMILIES as _FAMILIES
-from .families import family_by_name, real_model
+from .families import real_model, tiny_names, tiny_variant
 
 FAMILIES = tuple(f.name for f in _FAMILIES)
+VARIANTS = tuple(n for n in tiny_names() if n not in FAMILIES)  # named tiny members (families/*.py `variants`)
 
 WORDS = "a an the of and with on in photo painting cat dog red blue green small large tree house sky".split()
 
 
 def build_transformer(name: str, seed: int = 0, device=None, dtype=None, **overrides):
-    """A transformer with random weights: a family name gives its tiny config, a real model name
-    (`families.real_model_names()`) the published one.
+    """A transformer with random weights: a family or variant name gives its tiny config, a real
+    model name (`families.real_model_names()`) the published one.
 
     `device` builds the weights there directly (a 14B model initialised on the CPU takes minutes).
     """
     import diffusers
 
-    if name in FAMILIES:
-        family = family_by_name(name)
-        config = family.tiny
+    if name in FAMILIES or name in VARIANTS:
+        family, variant = tiny_variant(name)
+        config = {**family.tiny, **variant.config}
     else:
         family, real = real_model(name)
         config = real.config
@@ -48,10 +49,9 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
 
 
-def build_pipeline(family: str, seed: int = 0):
-    """A complete tiny pipeline of `family` with random weights, built offline in about a second."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    transformer = build_transformer(family, seed)
+def build_pipeline(name: str, seed: int = 0):
+    """A complete tiny pipeline of a family or variant with random weights, built offline in about a second."""
+    family, variant = tiny_variant(name)
+    transformer = build_transformer(name, seed)
     torch.manual_seed(seed)
-    return family_by_name(family).build_pipeline(transformer)
+    return family.build_pipeline(transformer, **variant.pipeline)

@@ -108,7 +108,8 @@ def main(argv=None):
         layers = converted_indices(transformer)
         taps = (distill.AttentionTap(transformer, layers), distill.AttentionTap(teacher, layers))
     scheduler_config = pipe.scheduler.config if pipe is not None else None
-    objective = objectives.build_objective(cfg.objective if cfg.objective != "auto" else family.objective, transformer, scheduler_config, cfg)
+    objective = objectives.build_objective(cfg.objective if cfg.objective != "auto" else family.objective, transformer, scheduler_config, cfg,
+                                           model.expert_sigmas(pipe, cfg))
     if pipe is not None and (not cached or cfg.validation_steps):
         pipe.vae.to(device)
         if family.text:
@@ -215,7 +216,7 @@ def main(argv=None):
     state = accelerator.get_state_dict(transformer)
     if accelerator.is_main_process:
         out = Path(cfg.output_dir) / "final"
-        model.save_trained(out, final, state, pipe)
+        model.save_trained(out, final, state, pipe, cfg.component)
         log.info("saved the trained model to %s (load with mhla_diffusion.from_pretrained)", out)
     accelerator.end_training()
 

@@ -18,6 +18,8 @@ def test_every_family_module_registers_one_family_with_its_own_classes():
     assert len(classes) == len(set(classes))
     names = families.real_model_names()
     assert len(names) == len(set(names))
+    tiny = families.tiny_names()  # families and their named variants (zoo.build_transformer / build_pipeline)
+    assert len(tiny) == len(set(tiny)) and list(zoo.FAMILIES) + list(zoo.VARIANTS) == tiny
 
 
 @pytest.mark.parametrize("name", zoo.FAMILIES)

@@ -54,7 +54,7 @@ def test_parameters_exist_at_conversion_and_train_at_any_resolution(family):
     assert len([n for n in names if n.endswith(".mixing.logits")]) == len(mhla_modules(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if ".processor." in n}
-    run(model.train(), family, 12, batch=1, frames=5).square().mean().backward()
+    run(model.train(), 12, batch=1, frames=5).square().mean().backward()
     opt.step()
     assert [n for n, _ in model.named_parameters()] == names
     moved = [n for n, p in model.named_parameters() if n.endswith(".mixing.logits") and not torch.equal(p, before[n])]
@@ -89,24 +89,24 @@ def test_strict_state_dict_ema_deepcopy_and_pickle(family):
     other = zoo.build_transformer(family, seed=1)
     md.convert(other)
     other.load_state_dict(model.state_dict(), strict=True)
-    expected = run(model, family, 12, batch=1, frames=5)  # a resolution the logits are resampled for
-    torch.testing.assert_close(run(other, family, 12, batch=1, frames=5), expected, rtol=0, atol=0)
+    expected = run(model, 12, batch=1, frames=5)  # a resolution the logits are resampled for
+    torch.testing.assert_close(run(other, 12, batch=1, frames=5), expected, rtol=0, atol=0)
 
     from diffusers.training_utils import EMAModel
 
     ema = EMAModel(other.parameters(), decay=0.5)
-    run(other, family, 8).mean().backward()
+    run(other, 8).mean().backward()
     ema.step(other.parameters())
 
     clone = copy.deepcopy(model)
-    torch.testing.assert_close(run(clone, family, 12, batch=1, frames=5), expected, rtol=0, atol=0)
-    run(clone, family, 8)  # the copy publishes to its own processors: the original's grid is untouched
+    torch.testing.assert_close(run(clone, 12, batch=1, frames=5), expected, rtol=0, atol=0)
+    run(clone, 8)  # the copy publishes to its own processors: the original's grid is untouched
     assert model._mhla_token_grid.grid != clone._mhla_token_grid.grid
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    torch.testing.assert_close(run(loaded, family, 12, batch=1, frames=5), expected, rtol=0, atol=0)
+    torch.testing.assert_close(run(loaded, 12, batch=1, frames=5), expected, rtol=0, atol=0)
 
 
 def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(monkeypatch):
@@ -129,7 +129,7 @@ def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(monkeyp
         assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         logits = [p for n, p in wrapped.module.named_parameters() if n.endswith(".mixing.logits")]
         before = [p.detach().clone() for p in logits]
-        acc.backward(run(wrapped, "dit", 12, batch=1).square().mean())
+        acc.backward(run(wrapped, 12, batch=1).square().mean())
         opt.step()
         assert all(not torch.equal(p, b) for p, b in zip(logits, before))
     finally:
@@ -156,30 +156,21 @@ def test_diffusers_processor_api_keeps_the_config_true(tmp_path):
     procs["blocks.1.attn1.processor"] = WanAttnProcessor()  # one layer back to softmax
     wan.set_attn_processor(procs)
     assert wan.config["mhla"]["layers"] == [0, 2]
-    expected = run(wan, "wan", 8)
+    expected = run(wan, 8)
     wan.save_pretrained(tmp_path / "partial")
     reloaded = md.from_pretrained(tmp_path / "partial")
     assert sorted(mhla_modules(reloaded)) == ["blocks.0.attn1.processor", "blocks.2.attn1.processor"]
-    torch.testing.assert_close(run(reloaded, "wan", 8), expected, rtol=0, atol=0)
+    torch.testing.assert_close(run(reloaded, 8), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="converting more layers later is not supported"):
         wan.set_attn_processor(md.mhla_processors(wan, md.MHLAConfig(layers=[1])))
     wan.set_attn_processor(WanAttnProcessor())
     assert not md.is_converted(wan) and "mhla" not in wan.config
 
 
-def two_expert_wan_pipeline():
-    """A Wan2.2 A14B-like pipeline: a high-noise and a low-noise expert."""
-    pipe = zoo.build_pipeline("wan")
-    import diffusers
-
-    return diffusers.WanPipeline(pipe.tokenizer, pipe.text_encoder, pipe.vae, pipe.scheduler, pipe.transformer,
-                                 transformer_2=zoo.build_transformer("wan", seed=1), boundary_ratio=0.5)
-
-
 def test_every_transformer_of_a_pipeline_converts_and_plain_diffusers_loads_it(tmp_path, diffusers_log, capsys):
     import diffusers
 
-    pipe = two_expert_wan_pipeline()
+    pipe = zoo.build_pipeline("wan2.2-a14b")  # a high-noise and a low-noise expert
     pipe.set_progress_bar_config(disable=True)
     md.convert(pipe)
     assert md.is_converted(pipe.transformer) and md.is_converted(pipe.transformer_2)
@@ -200,7 +191,7 @@ def test_every_transformer_of_a_pipeline_converts_and_plain_diffusers_loads_it(t
     alone = md.MHLAWanTransformer3DModel.from_pretrained(tmp_path / "pipe" / "transformer_2")
     torch.testing.assert_close(alone.state_dict(), pipe.transformer_2.state_dict())
 
-    zoo_pipe = two_expert_wan_pipeline()
+    zoo_pipe = zoo.build_pipeline("wan2.2-a14b")
     zoo_pipe.save_pretrained(tmp_path / "original")
     assert main(["convert", str(tmp_path / "original"), str(tmp_path / "cli")]) == 0
     assert "transformer_2 (MHLAWanTransformer3DModel): 2 self-attention layers converted" in capsys.readouterr().out
@@ -247,7 +238,7 @@ def test_saved_dirs_of_the_per_grid_format_load_migrated_with_a_notice(tmp_path,
     with caplog.at_level(logging.WARNING, logger="mhla_diffusion"):
         loaded = md.from_pretrained(path)
     assert "0.1 format" in caplog.text and "kept" in caplog.text
-    torch.testing.assert_close(run(loaded, "dit", 8), run(model, "dit", 8), rtol=0, atol=0)
+    torch.testing.assert_close(run(loaded, 8), run(model, 8), rtol=0, atol=0)
     assert main(["info", str(path)]) == 0
 
 

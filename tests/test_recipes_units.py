@@ -213,7 +213,7 @@ def test_mhla_learning_rate_moves_the_mixing_matrices_further():
         opt = torch.optim.AdamW(groups, weight_decay=0.0)
         for step in range(20):
             opt.zero_grad()
-            run(transformer.train(), "dit", 8, seed=step).square().mean().backward()
+            run(transformer.train(), 8, seed=step).square().mean().backward()
             opt.step()
         drift[mhla_lr] = model.mixing_drift(transformer)
     assert drift[0.0]["mhla/mixing_change"] < 0.01 < drift[1e-2]["mhla/mixing_change"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Family, RealModel
+from .base import Family, RealModel, Variant
 
 
 def _load() -> tuple[Family, ...]:
@@ -37,6 +37,21 @@ def family_by_name(name: str) -> Family:
         if name == fam.name or name in fam.class_names:
             return fam
     raise ValueError(f"unknown model family {name!r}; supported: {', '.join(f.name for f in FAMILIES)}")
+
+
+def tiny_variant(name: str) -> tuple[Family, Variant]:
+    """A family's tiny member by its name (a family name: the family's tiny config as it is)."""
+    for fam in FAMILIES:
+        if name == fam.name:
+            return fam, Variant()
+        if name in fam.variants:
+            return fam, fam.variants[name]
+    raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(tiny_names())}")
+
+
+def tiny_names() -> list[str]:
+    """Every tiny model zoo builds: the families, then their named variants."""
+    return [f.name for f in FAMILIES] + [v for f in FAMILIES for v in f.variants]
 
 
 def real_model(name: str) -> tuple[Family, RealModel]:

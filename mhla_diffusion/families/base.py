@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The sizes `bench model --resolution` names for video: (height, width) in pixels.
+# The sizes `bench model --resolution` names for video: (height, width) in pixels; "HxW" names any other.
 VIDEO_SIZES = {"480p": (480, 832), "720p": (720, 1280)}
+
+
+def pixel_size(resolution: str) -> tuple[int, int]:
+    """(height, width) of a VIDEO_SIZES name, an "HxW" string ("704x1280") or one number (square)."""
+    if resolution in VIDEO_SIZES:
+        return VIDEO_SIZES[resolution]
+    h, _, w = str(resolution).partition("x")
+    return int(h), int(w or h)
 
 
 @dataclass(frozen=True)
@@ -28,10 +36,11 @@ class RealModel:
     resolution: str  # the size it runs at: pixels, or a VIDEO_SIZES name
     text_tokens: int = 0  # prompt tokens its text encoder gives the transformer (0: class-conditional)
     temporal_factor: int | None = None  # temporal VAE downsampling (video); None for images
+    frames: int = 81  # the video length it runs at (`bench model --frames` default)
 
     def latent_shape(self, resolution: str, frames: int) -> tuple:
-        """(C, H, W) or (C, F, H, W) of the latent at `resolution` (pixels or a VIDEO_SIZES name)."""
-        h, w = VIDEO_SIZES.get(resolution) or (int(resolution), int(resolution))
+        """(C, H, W) or (C, F, H, W) of the latent at `resolution` (pixels, "HxW" or a VIDEO_SIZES name)."""
+        h, w = pixel_size(resolution)
         f = self.vae_factor
         if h % f or w % f:
             raise ValueError(f"resolution {resolution} is not a multiple of the VAE factor {f}")
@@ -43,12 +52,21 @@ class RealModel:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A named tiny member of a family (`zoo.build_transformer(name)`, `zoo.build_pipeline(name)`)."""
+
+    config: dict = field(default_factory=dict)  # overrides of the family's tiny config
+    pipeline: dict = field(default_factory=dict)  # keyword arguments of the family's `build_pipeline`
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     class_names: tuple[str, ...]  # the diffusers transformer classes of the family
     processor: type  # the MHLA processor of its self-attention layers
     tiny: dict  # a tiny transformer config (diffusers' own tests' sizes), built offline in tests and the demo
     real: dict[str, RealModel] = field(default_factory=dict)  # `bench model` names -> published configs
+    variants: dict[str, Variant] = field(default_factory=dict)  # tiny members by name (e.g. "wan2.2-ti2v")
     block_list: str = "transformer_blocks"  # attribute holding the blocks; self-attention is `<block>.attn1`
     defaults: dict = field(default_factory=dict)  # MHLAConfig fields of the released variant
     # pipeline arguments to sample at the asked height/width (PixArt and SANA snap to aspect-ratio bins)
@@ -120,12 +138,15 @@ class Family:
         device, dtype = transformer.device, transformer.dtype
         x = torch.randn(batch, *latent, generator=generator).to(device, dtype)
         t = torch.linspace(10, 500, batch).long().to(device)
+        cond = self.example_conditioning(transformer, latent, batch, text_tokens, generator)
+        return self.transformer_inputs(transformer, x, t, {k: v.to(device, v.dtype if k == "class_label" else dtype)
+                                                           for k, v in cond.items()})
+
+    def example_conditioning(self, transformer, latent: tuple, batch: int, text_tokens: int, generator=None) -> dict:
+        """The random conditioning of `example_inputs` (on the CPU), as the batch dict `transformer_inputs` reads."""
         if self.text:
-            text = torch.randn(batch, text_tokens, self.text_width(transformer.config), generator=generator)
-            cond = {"prompt_embeds": text.to(device, dtype)}
-        else:
-            cond = {"class_label": torch.arange(1, 2 * batch, 2, device=device) % transformer.config.num_embeds_ada_norm}
-        return self.transformer_inputs(transformer, x, t, cond)
+            return {"prompt_embeds": torch.randn(batch, text_tokens, self.text_width(transformer.config), generator=generator)}
+        return {"class_label": torch.arange(1, 2 * batch, 2) % transformer.config.num_embeds_ada_norm}
 
     # --- sampling ---
     def call_kwargs(self, pipe, indices: list[int], settings) -> dict:
@@ -147,8 +168,9 @@ class Family:
         return dict(prompt="a photo of a red cat", max_sequence_length=16, **self.size_kwargs(32, 32, 5), **self.any_size,
                     **self.validation_kwargs)
 
-    def build_pipeline(self, transformer):
-        """A complete tiny pipeline around `transformer` (random-weight VAE, text encoder, scheduler)."""
+    def build_pipeline(self, transformer, **options):
+        """A complete tiny pipeline around `transformer` (random-weight VAE, text encoder, scheduler);
+        `options`: a variant's `pipeline` arguments."""
         raise NotImplementedError(f"{self.name} has no tiny pipeline")
 
 

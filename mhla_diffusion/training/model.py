@@ -29,15 +29,29 @@ ATTN_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 def load_model(config):
     """(pipeline or None, transformer, its Family) from `config.pretrained`, unconverted."""
     src = config.pretrained
-    if Path(src).exists() and persistence.stored_config(src) is not None:
+    converted = persistence.converted_components(src) if Path(src).exists() else {}
+    if "" in converted or config.component in converted:  # another expert converted before (Wan2.2) is fine
         raise ValueError(f"{src} is already converted to MHLA; recipes start from the original model "
                          "(the recipe converts it, and distillation needs the original attention)")
     obj = persistence.load(src)
-    transformer = getattr(obj, "transformer", obj)
-    pipe = obj if obj is not transformer else None
+    pipe = obj if hasattr(obj, "components") else None
+    if pipe is None and config.component != "transformer":
+        raise ValueError(f"component {config.component!r} names a pipeline's transformer but {src} is a bare transformer")
+    transformer = getattr(pipe, config.component, None) if pipe is not None else obj
+    if transformer is None:
+        raise ValueError(f"{src} has no {config.component!r} (its components: {', '.join(pipe.components)})")
     family = family_of(transformer)
     check_family(config, family, src)
     return pipe, transformer, family
+
+
+def expert_sigmas(pipe, config) -> tuple[float, float] | None:
+    """The flow sigmas the trained expert denoises in sampling: a pipeline with a `boundary_ratio` (Wan2.2
+    A14B) runs `transformer` at t >= boundary_ratio * num_train_timesteps and `transformer_2` below."""
+    boundary = pipe.config.get("boundary_ratio") if pipe is not None else None
+    if boundary is None:
+        return None
+    return {"transformer": (boundary, 1.0), "transformer_2": (0.0, boundary)}[config.component]
 
 
 def mhla_config(transformer, config, latent_shape) -> MHLAConfig:
@@ -120,10 +134,11 @@ def convert_model(transformer, mhla: MHLAConfig):
     return transformer
 
 
-def save_trained(out: Path, transformer, state_dict: dict, pipe=None) -> None:
+def save_trained(out: Path, transformer, state_dict: dict, pipe=None, component: str = "transformer") -> None:
     """Write the trained model where `mhla_diffusion.from_pretrained` loads it: the whole
     pipeline when there is one, the transformer from `state_dict` (gathered under FSDP). It is
-    written under a .partial name first, so an interrupted save leaves no half model at `out`."""
+    written under a .partial name first, so an interrupted save leaves no half model at `out`.
+    `component`: the pipeline's name of the trained transformer (`transformer_2`: a Wan2.2 expert)."""
     out = Path(out)
     tmp = partial(out)
     if tmp.exists():
@@ -131,10 +146,10 @@ def save_trained(out: Path, transformer, state_dict: dict, pipe=None) -> None:
     if pipe is None:
         transformer.save_pretrained(tmp, state_dict=state_dict)
     else:
-        pipe.register_modules(transformer=transformer)  # model_index.json names its MHLA class: plain diffusers loads MHLA
+        pipe.register_modules(**{component: transformer})  # model_index.json names its MHLA class: plain diffusers loads MHLA
         pipe.save_config(tmp)
         for name, component in pipe.components.items():
-            if name == "transformer":
+            if name == component:
                 transformer.save_pretrained(tmp / name, state_dict=state_dict)
             elif hasattr(component, "save_pretrained"):
                 component.save_pretrained(tmp / name)

@@ -105,13 +105,17 @@ class DDPMObjective:
 class FlowMatchingObjective:
     """Rectified flow: x_t = (1 - s) x0 + s noise, target noise - x0, s = shift(sigmoid(N(m, std)))."""
 
-    def __init__(self, shift: float, logit_mean: float, logit_std: float, num_train_timesteps: int = 1000):
+    def __init__(self, shift: float, logit_mean: float, logit_std: float, num_train_timesteps: int = 1000,
+                 sigma_range: tuple[float, float] = (0.0, 1.0)):
         self.shift, self.logit_mean, self.logit_std = shift, logit_mean, logit_std
         self.num_train_timesteps = num_train_timesteps
+        self.sigma_range = sigma_range  # an expert's share of the noise levels: s scaled into [lo, hi]
 
     def noisy(self, x0: torch.Tensor) -> NoisyBatch:
         u = torch.sigmoid(torch.randn(x0.shape[0], device=x0.device) * self.logit_std + self.logit_mean)
         sigma = self.shift * u / (1 + (self.shift - 1) * u)
+        lo, hi = self.sigma_range
+        sigma = lo + (hi - lo) * sigma
         noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device)  # not randn_like: layout-independent
         s = _bcast(sigma, x0)
         return NoisyBatch((1 - s) * x0 + s * noise, sigma * self.num_train_timesteps, noise - x0, x0, sigma)
@@ -120,10 +124,13 @@ class FlowMatchingObjective:
         return F.mse_loss(output.float(), nb.target.float())
 
 
-def build_objective(kind: str, transformer, scheduler_config: dict | None, config):
-    """The objective `kind` ("ddpm" or "flow") for this transformer."""
+def build_objective(kind: str, transformer, scheduler_config: dict | None, config, sigma_range=None):
+    """The objective `kind` ("ddpm" or "flow") for this transformer; `sigma_range`: an expert's noise levels."""
     if kind == "flow":
-        return FlowMatchingObjective(config.flow_shift, config.logit_mean, config.logit_std)
+        return FlowMatchingObjective(config.flow_shift, config.logit_mean, config.logit_std,
+                                     sigma_range=sigma_range or (0.0, 1.0))
+    if sigma_range is not None:
+        raise ValueError("training one expert of a two-expert pipeline needs the flow objective")
     if scheduler_config is None:
         raise ValueError("the ddpm objective needs the pipeline's scheduler config (load a pipeline, not a bare transformer)")
     learned = transformer.config.out_channels == 2 * transformer.config.in_channels

@@ -52,8 +52,10 @@ def precompute(config, out_dir, accelerator) -> dict:
     """Write this process's share of the cache; the main process writes cache.json at the end."""
     from diffusers import DiffusionPipeline
 
-    family = family_by_name(DiffusionPipeline.load_config(config.pretrained)["transformer"][1])
-    pipe = persistence.load(config.pretrained, transformer=None)  # the transformer is not needed
+    index = DiffusionPipeline.load_config(config.pretrained)
+    family = family_by_name(index["transformer"][1])
+    # no transformer is needed (Wan2.2 A14B has two)
+    pipe = persistence.load(config.pretrained, **{name: None for name in ("transformer", "transformer_2") if name in index})
     check_family(config, family, config.pretrained)
     data_type = "videos" if family.video else "images"
     dataset = build_dataset(data_type, config.data_dir, config.resolution, config.num_frames)

@@ -26,6 +26,7 @@ class TrainConfig:
     # model
     pretrained: str = ""  # local diffusers dir or hub id of the *unconverted* pipeline
     family: str = ""  # optional guard: a family name of mhla_diffusion.families ("dit", "wan", ...); must match the model
+    component: str = "transformer"  # the pipeline's transformer to train ("transformer_2": Wan2.2 A14B's low-noise expert; an expert trains on its own noise levels)
     # conversion (MHLAConfig fields); blocks "auto" is resolved from the training resolution
     mhla_blocks: str = "auto"  # block grid "bt,bh,bw" (or "bh,bw"), or "auto"
     mhla_layers: str = "all"  # "all", "hybrid:3", or "0,1,5"
@@ -228,7 +229,7 @@ def save_config(config: TrainConfig, path) -> None:
 
 # Keys that must agree between a run and the checkpoint it resumes (anything else, such as
 # max_steps or logging, may change on resume).
-RESUME_KEYS = ("pretrained", "mhla_blocks", "mhla_layers", "mhla_options", "train_mode", "train_qkv",
+RESUME_KEYS = ("pretrained", "component", "mhla_blocks", "mhla_layers", "mhla_options", "train_mode", "train_qkv",
                "lora_rank", "lora_alpha", "objective", "distill_output", "distill_layers", "ema_decay",
                "train_batch_size", "gradient_accumulation_steps", "data_dir", "resolution", "num_frames")
 

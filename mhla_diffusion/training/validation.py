@@ -50,7 +50,7 @@ def write_video(path: Path, frames: np.ndarray, fps: int = 16) -> None:
 @torch.no_grad()
 def sample(pipe, transformer, family, config, step: int) -> list[Path]:
     """Generate the validation set with `transformer` (of `family`) and write it to disk; returns the files."""
-    pipe.transformer = transformer
+    setattr(pipe, config.component, transformer)
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator("cpu").manual_seed(config.seed)
     common = {"num_inference_steps": config.validation_inference_steps, "guidance_scale": config.validation_guidance_scale,
