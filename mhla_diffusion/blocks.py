@@ -7,11 +7,28 @@ Block ids are raster order over the block grid, like tokens over the token grid.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
+
+
+def eager_cache(maxsize: int):
+    """`functools.lru_cache` for eager calls. Under torch.compile the wrapped function is traced once per
+    graph anyway, so the cache (which Dynamo ignores, warning about it on every compiled run) is bypassed."""
+
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+        return call
+
+    return wrap
+
 
 Grid = tuple[int, int, int]
 
@@ -104,7 +121,7 @@ class BlockGeometry:
         return block_layout(self.grid, self.blocks, device)
 
 
-@lru_cache(maxsize=256)
+@eager_cache(maxsize=256)
 def _block_geometry(grid: Grid, blocks) -> BlockGeometry:
     return BlockGeometry(grid, resolve_blocks(grid, blocks))
 
@@ -155,7 +172,7 @@ def pack_blocks(token_block: torch.Tensor, num_blocks: int) -> BlockLayout:
     return BlockLayout(slot_index, token_block * max_len + rank, token_block, num_blocks, max_len)
 
 
-@lru_cache(maxsize=64)
+@eager_cache(maxsize=64)
 def _layout_cpu(grid: Grid, blocks: Grid) -> BlockLayout:
     T, H, W = grid
     t, h, w = torch.meshgrid(torch.arange(T), torch.arange(H), torch.arange(W), indexing="ij")
@@ -173,7 +190,7 @@ def block_layout(grid, blocks, device=None) -> BlockLayout:
     return _layout_on(grid, as_blocks(blocks), torch.device(device))
 
 
-@lru_cache(maxsize=64)
+@eager_cache(maxsize=64)
 def _layout_on(grid: Grid, blocks: Grid, device: torch.device) -> BlockLayout:
     return _layout_cpu(grid, blocks).to(device)
 

@@ -198,7 +198,9 @@ def main(argv=None):
             if cfg.validation_steps and global_step % cfg.validation_steps == 0 and accelerator.is_main_process:
                 with validation.ema_weights(ema, params):
                     files = validation.sample(pipe, accelerator.unwrap_model(transformer), family, cfg, global_step)
-                log.info("step %d: wrote %d validation samples to %s", global_step, len(files), files[0].parent)
+                validation.log_grid(accelerator, files[-1], global_step)
+                log.info("step %d: wrote %d validation samples and grid.png to %s", global_step, len(files) - 1,
+                         files[0].parent)
             if global_step >= cfg.max_steps:
                 break
         epoch, skip = epoch + 1, 0

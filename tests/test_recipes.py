@@ -57,6 +57,19 @@ def scalars(output_dir: Path, tag: str) -> list[float]:
     return [values[k] for k in sorted(values)]
 
 
+def images(output_dir: Path, tag: str) -> list[int]:
+    """The steps at which tensorboard got an image under `tag`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = set()
+    for events in sorted((output_dir / "logs").rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if tag in acc.Tags()["images"]:
+            steps.update(e.step for e in acc.Images(tag))
+    return sorted(steps)
+
+
 def transformer_weights(pipeline_dir: Path) -> dict:
     return {k: v for f in sorted((pipeline_dir / "transformer").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
@@ -132,6 +145,9 @@ def test_dit_full_ema_distill_resume_matches_uninterrupted(work):
     assert scalars(straight, "distill_layers") and scalars(straight, "data/skipped_files")[-1] >= 1
     assert len(scalars(straight, "mhla/mixing_change")) == 4 and scalars(straight, "mhla/mixing_entropy")
     assert (straight / "samples" / "step-0000004" / "00.png").is_file()
+    grid = np.asarray(Image.open(straight / "samples" / "step-0000004" / "grid.png").convert("L"))
+    assert grid.shape[0] > 2 * 96 and (grid[:, :30] < 128).any()  # two labelled rows (class 1, class 2)
+    assert images(straight, "validation") == [4]
     assert len(list((straight / "checkpoints").iterdir())) == 2
     pipe = mhla_diffusion.from_pretrained(straight / "final")
     assert sorted(mhla_diffusion.conversion.mhla_modules(pipe.transformer)) == ["transformer_blocks.0.attn1.processor"]

@@ -25,8 +25,8 @@ def error_to_teacher(model, teacher, family):
     """Relative squared error of the model's output against the teacher's on inputs no fit has seen."""
     errs = []
     for seed in (7, 8):
-        target = run(teacher, family, 8, seed=seed)
-        errs.append(((run(model, family, 8, seed=seed) - target).pow(2).mean() / target.pow(2).mean()).item())
+        target = run(teacher, 8, seed=seed)
+        errs.append(((run(model, 8, seed=seed) - target).pow(2).mean() / target.pow(2).mean()).item())
     return sum(errs) / len(errs)
 
 

@@ -7,7 +7,6 @@ through plain diffusers and `md.from_pretrained`, the CLI (`convert`, `info`), t
 """
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest

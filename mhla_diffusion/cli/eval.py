@@ -74,7 +74,7 @@ def cmd_ref_stats(args) -> int:
     stats = folder_stats(args.folder, inception_weights=args.inception_weights, batch_size=args.batch_size, progress=True,
                          device=_device(), unreadable=unreadable)
     stats.save(args.output)
-    print(f"wrote {args.output}: mu, sigma ({stats.mu.size} features) from {counted(stats.n, 'image')}")
+    print(f"wrote {args.output}: mu, sigma ({stats.mu.size} features) from n = {counted(stats.n, 'image')}")
     if unreadable.paths:
         print(unreadable.summary())
     return 0

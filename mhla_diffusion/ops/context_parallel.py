@@ -14,12 +14,11 @@ Triton for it): `mhla_attention(..., group=group)` runs it.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
-from ..blocks import BlockLayout, block_layout, pack_blocks
+from ..blocks import BlockLayout, block_layout, eager_cache, pack_blocks
 from .naive import mhla_blocked
 
 
@@ -32,7 +31,7 @@ def token_range(num_tokens: int, world: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-@lru_cache(maxsize=64)
+@eager_cache(maxsize=64)
 def _local_layout(grid, blocks, start: int, end: int, device: torch.device) -> tuple[BlockLayout, torch.Tensor]:
     token_block = block_layout(grid, blocks).token_block[start:end]
     ids = torch.unique(token_block)  # sorted global ids of the blocks the slice touches

@@ -1,4 +1,5 @@
-"""Periodic validation samples, written as PNG images or MP4 videos under output_dir/samples/.
+"""Periodic validation samples, written as PNG images or MP4 videos under output_dir/samples/, plus
+one labelled grid per step (grid.png, also logged to tensorboard as "validation").
 
 Sampling goes through the family's own diffusers pipeline (as users will run the model),
 with the EMA weights when EMA is on, from a fixed generator so steps are comparable.
@@ -7,6 +8,7 @@ with the EMA weights when EMA is on, from a fixed generator so steps are compara
 from __future__ import annotations
 
 import contextlib
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -69,12 +71,36 @@ def sample(pipe, transformer, family, config, step: int) -> list[Path]:
         transformer.train(was_training)
     folder = Path(config.output_dir) / "samples" / f"step-{step:07d}"
     folder.mkdir(parents=True, exist_ok=True)
+    samples = [np.asarray(arr) for arr in (out.frames if family.video else out.images)]
     files = []
-    for i, arr in enumerate(out.frames if family.video else out.images):
+    for i, arr in enumerate(samples):
         path = folder / f"{i:02d}.{'mp4' if family.video else 'png'}"
         if family.video:
-            write_video(path, np.asarray(arr))
+            write_video(path, arr)
         else:
             Image.fromarray((np.clip(arr, 0, 1) * 255).round().astype(np.uint8)).save(path)
         files.append(path)
-    return files
+    names = list(config.validation_prompts) if family.text else [f"class {c}" for c in config.validation_classes]
+    return files + [_grid(folder / "grid.png", samples, names, family.video, step, config)]
+
+
+def _grid(path: Path, samples: list, names: list[str], video: bool, step: int, config) -> Path:
+    """One row per validation sample, labelled with its prompt or class; videos show 4 frames spread over the clip."""
+    from ..evaluation.figures import labelled_grid
+
+    if video:
+        picks = np.linspace(0, len(samples[0]) - 1, min(4, len(samples[0]))).round().astype(int)
+        cells, columns = [[s[i] for i in picks] for s in samples], [f"frame {i}" for i in picks]
+    else:
+        cells, columns = [[s] for s in samples], None
+    wrap = lambda name: "\n".join(textwrap.wrap(name, 28)[:3])  # noqa: E731
+    return labelled_grid(path, cells, [wrap(n) for n in names], columns,
+                         title=f"step {step}: {config.validation_inference_steps} steps, guidance "
+                               f"{config.validation_guidance_scale}")
+
+
+def log_grid(accelerator, path: Path, step: int) -> None:
+    """The step's grid as a tensorboard image (when tensorboard is the tracker)."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_image("validation", np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
