@@ -41,11 +41,11 @@ def set_attn_processor(transformer, processors: dict) -> None:
 def resolve_config(transformer, config: MHLAConfig) -> MHLAConfig:
     """`config` checked against the model's default size, with the mixing logits' block grid set.
 
-    Fixed blocks must fit the default size's token grid (image models: their sample_size; Wan:
-    480p x 81 frames); the logits live on the fixed grid, or on the "auto" grid of that size.
+    Fixed blocks must fit the default size's token grid (the family's `default_grid`: image models'
+    sample_size, Wan's 480p x 81 frames, ...); the logits live on the fixed grid, or on the "auto" grid of that size.
     """
     grid, size = default_grid(transformer)
-    where = f"of {family_of(transformer).class_names[0]} at {size}"
+    where = f"of {family_of(transformer).class_of(transformer)} at {size}"
     if config.blocks != "auto":
         check_blocks(grid, config.blocks, where)
     mix_blocks = config.mix_blocks or (auto_blocks(grid) if config.blocks == "auto" else config.blocks)

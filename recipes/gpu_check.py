@@ -21,7 +21,7 @@ import torch
 
 from mhla_diffusion import zoo
 from mhla_diffusion.conversion import convert, default_config
-from mhla_diffusion.families import family_by_name
+from mhla_diffusion.families import family_of
 from mhla_diffusion.training.objectives import FlowMatchingObjective, model_output
 
 PRESETS = {  # model, latent (C, F, H, W), text tokens, MHLA blocks
@@ -40,7 +40,8 @@ def measure(variant: str, preset: str, steps: int, warmup: int, device) -> dict:
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-5)
     objective = FlowMatchingObjective(shift=3.0, logit_mean=0.0, logit_std=1.0)
     x0 = torch.randn(1, *latent, device=device)
-    batch = {"prompt_embeds": torch.randn(1, text_len, transformer.config.text_dim, device=device)}
+    family = family_of(transformer)
+    batch = {"prompt_embeds": torch.randn(1, text_len, family.text_width(transformer.config), device=device)}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     times = []
     if device.type == "cuda":
@@ -51,7 +52,7 @@ def measure(variant: str, preset: str, steps: int, warmup: int, device) -> dict:
         start = time.perf_counter()
         noisy = objective.noisy(x0)
         with autocast:
-            out = model_output(transformer(**family_by_name("wan").transformer_inputs(transformer, noisy.model_input, noisy.timestep, batch), return_dict=False))
+            out = model_output(transformer(**family.transformer_inputs(transformer, noisy.model_input, noisy.timestep, batch), return_dict=False))
         loss = objective.loss(out, noisy)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 0.1)

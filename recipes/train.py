@@ -114,6 +114,8 @@ def main(argv=None):
         pipe.vae.to(device)
         if family.text:
             pipe.text_encoder.to(device, dtype=weight_dtype)
+    for other in model.other_experts(pipe, cfg) if cfg.validation_steps else []:  # frozen; validation samples with it
+        other.requires_grad_(False).to(device, dtype=weight_dtype)
 
     optimizer = torch.optim.AdamW(model.param_groups(transformer, params, cfg.learning_rate, cfg.mhla_learning_rate), betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay, eps=cfg.adam_epsilon)

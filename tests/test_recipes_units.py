@@ -234,3 +234,16 @@ def test_train_help_lists_every_config_key_with_type_default_and_description():
         line = next(x for x in out.splitlines() if x.startswith(f"  --{f.name} ("))
         assert f"({f.type}, default " in line and not line.endswith(": -"), line
     assert "--mhla_learning_rate (float, default 0.0): the MHLA parameters' own rate" in out
+
+
+def test_save_trained_writes_the_given_state_dict_into_the_pipeline(tmp_path):
+    """The state dict is what the recipe gathered (under FSDP the module's own tensors are shards): a pipeline
+    save must write it, not the module's parameters."""
+    import mhla_diffusion as md
+
+    pipe = zoo.build_pipeline("dit")
+    convert(pipe)
+    gathered = {k: v + 1.0 if v.is_floating_point() else v for k, v in pipe.transformer.state_dict().items()}
+    model.save_trained(tmp_path / "final", pipe.transformer, gathered, pipe)
+    saved = md.from_pretrained(tmp_path / "final").transformer.state_dict()
+    assert all(torch.equal(saved[k], gathered[k]) for k in gathered)

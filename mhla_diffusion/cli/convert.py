@@ -18,8 +18,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--blocks", help="block grid 'bt,bh,bw' (or 'bh,bw' for images), or 'auto' (default)")
     g.add_argument("--layers", help="'all' (default), 'hybrid:K' (every K-th layer keeps softmax), or indices '0,2,5'")
     g.add_argument("--feature", choices=sorted(FEATURE_MAPS), help="feature map (default relu)")
-    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None, help="divide by phi(q).z (default: on; off for Wan)")
-    g.add_argument("--output-norm", action=argparse.BooleanOptionalAction, default=None, help="per-head RMSNorm on the output (default: Wan only)")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None, help="divide by phi(q).z (default: on; off for Wan and its relatives)")
+    g.add_argument("--output-norm", action=argparse.BooleanOptionalAction, default=None, help="per-head RMSNorm on the output (default: Wan and its relatives only)")
     g.add_argument("--output-gate", action=argparse.BooleanOptionalAction, default=None, help="SiLU output gate (default off)")
     g.add_argument("--mix-init", choices=MIX_INITS, help="mixing-matrix init (default locality)")
 

@@ -12,10 +12,10 @@ def _sampling_args(p: argparse.ArgumentParser, steps: int | None = None) -> None
     g = p.add_argument_group("sampling")
     g.add_argument("--seed", type=int, default=0, help="sample i uses seed + i (default 0)")
     g.add_argument("--steps", type=int, default=steps, help="denoising steps (default: %s)" % (steps or "the pipeline's"))
-    g.add_argument("--prompts", help="text file, one prompt per line (PixArt, SANA, Wan); sample i gets prompt i mod count")
+    g.add_argument("--prompts", help="text file, one prompt per line (text-to-image/video models); sample i gets prompt i mod count")
     g.add_argument("--height", type=int)
     g.add_argument("--width", type=int)
-    g.add_argument("--num-frames", type=int, help="Wan: frames per video (each frame counts as an image)")
+    g.add_argument("--num-frames", type=int, help="video models: frames per video (each frame counts as an image)")
     g.add_argument("--dtype", choices=DTYPE_NAMES, metavar="DTYPE", help="weights dtype: bf16 (bfloat16), fp16 (float16) or fp32 (float32); default: as stored")
 
 

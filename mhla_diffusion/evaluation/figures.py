@@ -34,7 +34,8 @@ def labelled_grid(path, cells, row_labels: list[str], column_labels: list[str] |
     title_h = _text_size(probe, title, font)[1] + 2 * PAD if title else 0
     col_h = max(_text_size(probe, c, small)[1] for c in column_labels) + PAD if column_labels else 0
     foot_h = _text_size(probe, footer, small)[1] + 2 * PAD if footer else 0
-    width = max(label_w + cols * (cw + PAD) + PAD, _text_size(probe, footer, small)[0] + 2 * PAD if footer else 0)
+    width = max(label_w + cols * (cw + PAD) + PAD, _text_size(probe, footer, small)[0] + 2 * PAD if footer else 0,
+                _text_size(probe, title, font)[0] + 2 * PAD if title else 0)
     top = title_h + col_h + PAD
     canvas = Image.new("RGB", (width, top + len(cells) * (ch + PAD) + foot_h), "white")
     draw = ImageDraw.Draw(canvas)

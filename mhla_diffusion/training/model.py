@@ -16,7 +16,7 @@ import torch
 from .. import persistence
 from ..blocks import auto_blocks
 from ..config import MHLAConfig, parse_blocks
-from ..conversion import convert, converted_indices, default_config, mhla_modules, mhla_parameters
+from ..conversion import convert, converted_indices, default_config, mhla_modules, mhla_parameters, transformers_of
 from ..families import family_of, self_attentions, token_grid
 from .checkpoint import partial, publish
 from .train_config import check_family
@@ -134,6 +134,13 @@ def convert_model(transformer, mhla: MHLAConfig):
     return transformer
 
 
+def other_experts(pipe, config) -> list:
+    """The pipeline's transformers besides the trained one (Wan2.2's other expert), which sampling also runs."""
+    if pipe is None:
+        return []
+    return [m for name, m in transformers_of(pipe).items() if name != config.component]
+
+
 def save_trained(out: Path, transformer, state_dict: dict, pipe=None, component: str = "transformer") -> None:
     """Write the trained model where `mhla_diffusion.from_pretrained` loads it: the whole
     pipeline when there is one, the transformer from `state_dict` (gathered under FSDP). It is
@@ -144,13 +151,24 @@ def save_trained(out: Path, transformer, state_dict: dict, pipe=None, component:
     if tmp.exists():
         shutil.rmtree(tmp)
     if pipe is None:
-        transformer.save_pretrained(tmp, state_dict=state_dict)
+        save_weights(transformer, state_dict, tmp)
     else:
         pipe.register_modules(**{component: transformer})  # model_index.json names its MHLA class: plain diffusers loads MHLA
         pipe.save_config(tmp)
-        for name, component in pipe.components.items():
+        for name, module in pipe.components.items():
             if name == component:
-                transformer.save_pretrained(tmp / name, state_dict=state_dict)
-            elif hasattr(component, "save_pretrained"):
-                component.save_pretrained(tmp / name)
+                save_weights(transformer, state_dict, tmp / name)
+            elif hasattr(module, "save_pretrained"):
+                module.save_pretrained(tmp / name)
     publish(out)
+
+
+def save_weights(transformer, state_dict: dict, path: Path) -> None:
+    """`transformer.save_pretrained(path)` with the tensors of `state_dict`. diffusers' save_pretrained takes no
+    state dict (it would ignore one and write the module's own tensors, this rank's shards under FSDP), so a
+    weightless copy of the model (meta device) takes the given tensors and is saved instead; a missing or
+    unexpected key is an error."""
+    with torch.device("meta"):
+        shell = type(transformer).from_config(transformer.config)
+    shell.load_state_dict(state_dict, strict=True, assign=True)
+    shell.save_pretrained(path)

@@ -62,7 +62,7 @@ def write_teacher_cache(config, out_dir, num_samples: int, prompts_file: str | N
             if not (out / f"{i:09d}.safetensors").exists()]  # a rerun resumes
     batches = [mine[j:j + config.train_batch_size] for j in range(0, len(mine), config.train_batch_size)]
     for indices in tqdm(batches, desc="teacher samples", disable=not accelerator.is_local_main_process):
-        kwargs = call_kwargs(pipe, indices, settings)
+        kwargs = {**call_kwargs(pipe, indices, settings), **family.validation_kwargs}  # as training encodes prompts
         with capture_latents(pipe) as seen, torch.inference_mode():
             pipe(**kwargs)
         latents = normalized(pipe.vae, seen[-1])
