@@ -39,8 +39,8 @@ def test_unknown_names_are_refused_with_the_supported_ones():
         families.real_model("flux-dev")
 
 
-def test_no_module_outside_the_family_modules_branches_on_a_family_name():
-    names = "|".join(re.escape(f.name) for f in families.FAMILIES)
+def test_no_module_outside_the_family_modules_branches_on_a_family_or_its_classes():
+    names = "|".join(re.escape(n) for f in families.FAMILIES for n in (f.name, *f.class_names))
     branch = re.compile(rf"""(==|!=|\bin)\s*[(\[{{]?\s*["']({names})["']""")
     sources = [p for p in (ROOT / "mhla_diffusion").rglob("*.py") if "families" not in p.parts]
     sources += list((ROOT / "recipes").rglob("*.py"))

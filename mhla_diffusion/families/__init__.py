@@ -20,6 +20,7 @@ def _load() -> tuple[Family, ...]:
 FAMILIES = _load()
 
 SUPPORTED = ", ".join(c for f in FAMILIES for c in f.class_names)
+CLASS_NAMES = frozenset(c for f in FAMILIES for c in f.class_names)
 
 
 def family_of(transformer) -> Family:

@@ -124,6 +124,10 @@ class Family:
                 gather: ContextParallelOutput(gather_dim=1, expected_dims=3)}
 
     # --- training and benchmarks ---
+    def expert_sigmas(self, pipe, component: str) -> tuple[float, float] | None:
+        """The flow sigmas `pipe`'s transformer `component` denoises, if the pipeline splits them between experts."""
+        return None
+
     def transformer_inputs(self, transformer, latents, timestep, batch: dict) -> dict:
         """Keyword arguments of `transformer(...)` for one batch (`prompt_embeds` [+ `prompt_attention_mask`])."""
         return {"hidden_states": latents, "timestep": timestep, "encoder_hidden_states": batch["prompt_embeds"]}

@@ -45,6 +45,13 @@ class Wan(Family):
             return patched(transformer.config.patch_size, TI2V_LATENT), TI2V_SIZE
         return super().default_grid(transformer)
 
+    def expert_sigmas(self, pipe, component: str) -> tuple[float, float] | None:
+        """Wan2.2 A14B: `transformer` runs t >= boundary_ratio * num_train_timesteps, `transformer_2` below."""
+        boundary = pipe.config.get("boundary_ratio")
+        if boundary is None:
+            return None
+        return {"transformer": (boundary, 1.0), "transformer_2": (0.0, boundary)}[component]
+
     def build_pipeline(self, transformer, boundary_ratio: float | None = None):
         """WanPipeline around `transformer`; with `boundary_ratio`, a second random expert as `transformer_2`
         (Wan2.2 A14B). A TI2V transformer gets the Wan2.2 VAE and per-token timesteps (`expand_timesteps`)."""

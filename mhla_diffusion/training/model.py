@@ -46,12 +46,11 @@ def load_model(config):
 
 
 def expert_sigmas(pipe, config) -> tuple[float, float] | None:
-    """The flow sigmas the trained expert denoises in sampling: a pipeline with a `boundary_ratio` (Wan2.2
-    A14B) runs `transformer` at t >= boundary_ratio * num_train_timesteps and `transformer_2` below."""
-    boundary = pipe.config.get("boundary_ratio") if pipe is not None else None
-    if boundary is None:
+    """The flow sigmas the trained transformer denoises in sampling, when its pipeline splits the noise
+    levels between experts (Wan2.2 A14B: its family says how); None when it runs them all."""
+    if pipe is None:
         return None
-    return {"transformer": (boundary, 1.0), "transformer_2": (0.0, boundary)}[config.component]
+    return family_of(getattr(pipe, config.component)).expert_sigmas(pipe, config.component)
 
 
 def mhla_config(transformer, config, latent_shape) -> MHLAConfig:

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
 from .. import persistence
-from ..families import family_by_name
+from ..families import CLASS_NAMES, family_by_name
 from . import conditioning
 from .data import CACHE_INDEX, SkippedFiles, build_dataset, collate
 from .train_config import check_family
@@ -53,9 +53,10 @@ def precompute(config, out_dir, accelerator) -> dict:
     from diffusers import DiffusionPipeline
 
     index = DiffusionPipeline.load_config(config.pretrained)
-    family = family_by_name(index["transformer"][1])
-    # no transformer is needed (Wan2.2 A14B has two)
-    pipe = persistence.load(config.pretrained, **{name: None for name in ("transformer", "transformer_2") if name in index})
+    experts = [name for name, entry in index.items()
+               if isinstance(entry, list) and entry[-1].removeprefix("MHLA") in CLASS_NAMES]  # an expert converted before
+    family = family_by_name(index[config.component][1].removeprefix("MHLA"))
+    pipe = persistence.load(config.pretrained, **dict.fromkeys(experts))  # no transformer is needed (Wan2.2 A14B has two)
     check_family(config, family, config.pretrained)
     data_type = "videos" if family.video else "images"
     dataset = build_dataset(data_type, config.data_dir, config.resolution, config.num_frames)
