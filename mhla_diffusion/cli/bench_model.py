@@ -7,12 +7,12 @@ self-attention layers, the time no attention replacement that keeps the rest of 
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
 
-from ..families import real_model, real_model_names
-from ..families.base import num_tokens
+from ..families import latent_grid, real_model, real_model_names
 from .profiling import kernel_profile
 
 def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
@@ -89,7 +89,7 @@ def run_model(args) -> int:
                     print(f"--- profile: {name}{_compiled(args.compile)}, forward ---")
                     print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
             rows.append(dict(family=args.family, resolution=resolution, frames=frames if len(latent) == 4 else 1,
-                             tokens=num_tokens(model, latent), attention=name, what=what, compile=args.compile,
+                             tokens=math.prod(latent_grid(model, latent)), attention=name, what=what, compile=args.compile,
                              ms=round(ms, 2), peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
         del fwd

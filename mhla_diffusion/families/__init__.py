@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+import torch
+
 from .base import Family, RealModel, Variant
 
 
@@ -75,6 +77,11 @@ def self_attentions(transformer) -> list:
 def token_grid(transformer, hidden_states) -> tuple[int, int, int]:
     """Post-patch (T, H, W) grid of a transformer input (B, C, H, W) or (B, C, F, H, W)."""
     return family_of(transformer).token_grid(transformer, hidden_states)
+
+
+def latent_grid(transformer, latent: tuple) -> tuple[int, int, int]:
+    """`token_grid` of a latent without its batch dimension ((C, H, W) or (C, F, H, W)); nothing is allocated."""
+    return token_grid(transformer, torch.empty((1, *latent), device="meta"))
 
 
 def default_grid(transformer) -> tuple[tuple[int, int, int], str]:

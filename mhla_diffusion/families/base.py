@@ -9,7 +9,6 @@ library asks the family (`families.family_of(transformer)`) and never branches o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -143,7 +142,7 @@ class Family:
         x = torch.randn(batch, *latent, generator=generator).to(device, dtype)
         t = torch.linspace(10, 500, batch).long().to(device)
         cond = self.example_conditioning(transformer, latent, batch, text_tokens, generator)
-        return self.transformer_inputs(transformer, x, t, {k: v.to(device, v.dtype if k == "class_label" else dtype)
+        return self.transformer_inputs(transformer, x, t, {k: v.to(device, dtype if v.is_floating_point() else v.dtype)
                                                            for k, v in cond.items()})
 
     def example_conditioning(self, transformer, latent: tuple, batch: int, text_tokens: int, generator=None) -> dict:
@@ -183,7 +182,3 @@ def patched(patch, latent) -> tuple[int, int, int]:
     patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1, patch, patch)
     return tuple(s // p for s, p in zip(latent, patch))
 
-
-def num_tokens(transformer, latent: tuple) -> int:
-    """Tokens of a (C, H, W) or (C, F, H, W) latent."""
-    return math.prod(patched(transformer.config.patch_size, latent[1:] if len(latent) == 4 else (1, *latent[1:])))

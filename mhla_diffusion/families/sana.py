@@ -35,9 +35,6 @@ class Sana(Family):
 
     def build_pipeline(self, transformer):
         import diffusers as d
-        import transformers as tf
-
-        from ..zoo import WORDS, tiny_tokenizer
 
         vae = d.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=2,
                               encoder_block_types=("ResBlock", "EfficientViTBlock"),
@@ -47,10 +44,19 @@ class Sana(Family):
                               encoder_layers_per_block=(1, 1), decoder_layers_per_block=[1, 1],
                               downsample_block_type="conv", upsample_block_type="interpolate",
                               decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407)
-        encoder = tf.Gemma2Model(tf.Gemma2Config(vocab_size=len(WORDS) + 3, hidden_size=8, intermediate_size=16,
-                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                                 head_dim=4)).eval()
-        return d.SanaPipeline(tiny_tokenizer(), encoder, vae, transformer, d.FlowMatchEulerDiscreteScheduler(shift=3.0))
+        return d.SanaPipeline(*tiny_text_parts(), vae, transformer, d.FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def tiny_text_parts():
+    """The zoo's tokenizer and a one-layer Gemma-2 encoder of width 8 (SANA's text encoder family)."""
+    import transformers as tf
+
+    from ..zoo import WORDS, tiny_tokenizer
+
+    encoder = tf.Gemma2Model(tf.Gemma2Config(vocab_size=len(WORDS) + 3, hidden_size=8, intermediate_size=16,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                             head_dim=4)).eval()
+    return tiny_tokenizer(), encoder
 
 
 FAMILY = Sana(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..processors import MHLAProcessorBase
 from .base import RealModel
-from .sana import Sana
+from .sana import Sana, tiny_text_parts
 from .wan import tiny_vae
 
 
@@ -47,9 +47,7 @@ class SanaVideo(Sana):
         """SANA's tiny tokenizer and Gemma-2 encoder (width 8), Wan's tiny VAE (SANA-Video uses Wan2.1's)."""
         import diffusers as d
 
-        text = super().build_pipeline(transformer)
-        return d.SanaVideoPipeline(text.tokenizer, text.text_encoder, tiny_vae(), transformer,
-                                   d.FlowMatchEulerDiscreteScheduler(shift=8.0))
+        return d.SanaVideoPipeline(*tiny_text_parts(), tiny_vae(), transformer, d.FlowMatchEulerDiscreteScheduler(shift=8.0))
 
 
 FAMILY = SanaVideo(

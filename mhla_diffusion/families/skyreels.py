@@ -8,8 +8,6 @@ MHLA here is bidirectional, so such a call is refused, as is any other masked se
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from .wan import FAMILY as WAN
 from .wan import MHLAWanAttnProcessor, Wan, _real, tiny_text_encoder, tiny_vae
 
@@ -43,9 +41,8 @@ class SkyReels(Wan):
 FAMILY = SkyReels(
     "skyreels", ("SkyReelsV2Transformer3DModel",), MHLASkyReelsV2AttnProcessor,
     tiny=WAN.tiny,  # Wan's tiny transformer (16 latent channels, as the tiny Wan VAE makes)
-    real={"skyreels-v2-t2v-14b-720p": replace(_real(40, 13824, 40, "720p"), frames=121),
-          "skyreels-v2-df-1.3b-540p": (lambda r: replace(r, config={**r.config, "inject_sample_info": True}))(
-              _real(12, 8960, 30, "544x960", frames=97))},
+    real={"skyreels-v2-t2v-14b-720p": _real(40, 13824, 40, "720p", frames=121),
+          "skyreels-v2-df-1.3b-540p": _real(12, 8960, 30, "544x960", frames=97, inject_sample_info=True)},
     block_list="blocks",
     defaults=WAN.defaults,
     # SkyReelsV2Pipeline's default size, 544 x 960 x 97 frames: a 25 x 68 x 120 latent

@@ -53,20 +53,19 @@ class Vace(Wan):
                                  transformer)
 
 
-def _vace(base, vace_layers: list[int]):
-    """A released VACE transformer: a Wan2.1 config with control blocks after `vace_layers`, 96 control channels
-    (inactive and reactive latents, 16 each, and the 8x8-unshuffled mask, 64)."""
-    from dataclasses import replace
-
-    return replace(base, config={**base.config, "vace_layers": vace_layers, "vace_in_channels": 96})
+# Released VACE transformers: Wan2.1 configs with control blocks after `vace_layers` and 96 control channels
+# (inactive and reactive latents, 16 each, and the 8x8-unshuffled mask, 64).
+CONTROL_CHANNELS = 96
 
 
 FAMILY = Vace(
     "vace", ("WanVACETransformer3DModel",), MHLAWanAttnProcessor,
     # diffusers' test sizes on Wan's tiny transformer; 96 control channels, as the tiny VAE's 8x mask unshuffle needs
-    tiny={**WAN.tiny, "num_layers": 4, "vace_layers": [0, 2], "vace_in_channels": 96},
-    real={"wan2.1-vace-1.3b": _vace(_real(12, 8960, 30, "480p"), list(range(0, 30, 2))),
-          "wan2.1-vace-14b": _vace(_real(40, 13824, 40, "720p"), list(range(0, 40, 5)))},
+    tiny={**WAN.tiny, "num_layers": 4, "vace_layers": [0, 2], "vace_in_channels": CONTROL_CHANNELS},
+    real={"wan2.1-vace-1.3b": _real(12, 8960, 30, "480p", vace_layers=list(range(0, 30, 2)),
+                                    vace_in_channels=CONTROL_CHANNELS),
+          "wan2.1-vace-14b": _real(40, 13824, 40, "720p", vace_layers=list(range(0, 40, 5)),
+                                   vace_in_channels=CONTROL_CHANNELS)},
     defaults=WAN.defaults,
     default_latent=WAN.default_latent, default_size_name=WAN.default_size_name,  # WanVACEPipeline's 480p x 81
     video=True,

@@ -89,12 +89,12 @@ def tiny_text_encoder():
 
 
 def _real(heads: int, ffn: int, layers: int, resolution: str, channels: int = 16, vae_factor: int = 8,
-          frames: int = 81) -> RealModel:
+          frames: int = 81, **config) -> RealModel:
     """A Wan T2V transformer (Wan2.1 1.3B: 12 heads, 14B and each Wan2.2 A14B expert: 40, Wan2.2 TI2V-5B: 24
-    over 48 latent channels) at the size it was released for."""
+    over 48 latent channels) at the size it was released for; `config`: its class's other config keys."""
     return RealModel(dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128, in_channels=channels,
                           out_channels=channels, text_dim=4096, freq_dim=256, ffn_dim=ffn, num_layers=layers,
-                          cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6),
+                          cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, **config),
                      latent_channels=channels, vae_factor=vae_factor, temporal_factor=4, resolution=resolution,
                      text_tokens=512, frames=frames)
 

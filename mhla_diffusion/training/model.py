@@ -17,7 +17,7 @@ from .. import persistence
 from ..blocks import auto_blocks
 from ..config import MHLAConfig, parse_blocks
 from ..conversion import convert, converted_indices, default_config, mhla_modules, mhla_parameters, transformers_of
-from ..families import family_of, self_attentions, token_grid
+from ..families import family_of, latent_grid, self_attentions
 from .checkpoint import partial, publish
 from .train_config import check_family
 
@@ -61,7 +61,7 @@ def mhla_config(transformer, config, latent_shape) -> MHLAConfig:
     """
     blocks = parse_blocks(config.mhla_blocks)
     if blocks == "auto":
-        blocks = auto_blocks(token_grid(transformer, torch.empty((1, *latent_shape), device="meta")))
+        blocks = auto_blocks(latent_grid(transformer, latent_shape))
     options = {**config.mhla_options, "blocks": blocks, "layers": config.mhla_layers}
     return default_config(transformer, **options)
 
