@@ -207,7 +207,8 @@ def test_expert_noise_levels_and_refusals(tmp_path):
 
 def test_recipe_trains_the_low_noise_expert_of_a_pipeline_whose_other_expert_is_converted(tmp_path):
     """`--component transformer_2` from a pipeline whose `transformer` is MHLA already: both are MHLA after,
-    the trained expert's MHLA parameters moved, the other expert is saved as it was."""
+    the trained expert's MHLA parameters moved, the other expert is saved as it was; validation samples run
+    both experts, and a latent cache of the two-expert pipeline loads neither."""
     from safetensors.torch import load_file
 
     from test_recipes import COMMON, launch, noise_image, write_metadata
@@ -224,7 +225,13 @@ def test_recipe_trains_the_low_noise_expert_of_a_pipeline_whose_other_expert_is_
     out = tmp_path / "out"
     launch("train.py", "--pretrained", tmp_path / "half", "--component", "transformer_2", "--data_dir", tmp_path / "videos",
            "--resolution", "[32, 32]", "--num_frames", "5", "--train_mode", "mhla", "--mhla_blocks", "1,2,2",
-           "--learning_rate", "1e-2", "--train_batch_size", "2", "--max_steps", "2", "--output_dir", out, *COMMON)
+           "--learning_rate", "1e-2", "--train_batch_size", "2", "--max_steps", "2", "--output_dir", out,
+           "--validation_steps", "2", "--validation_prompts", '["a red cat"]', "--validation_inference_steps", "2", *COMMON)
+    assert (out / "samples" / "step-0000002" / "00.mp4").is_file() and (out / "samples" / "step-0000002" / "grid.png").is_file()
+    launch("precompute.py", "--pretrained", tmp_path / "half", "--component", "transformer_2", "--data_dir",
+           tmp_path / "videos", "--resolution", "[32, 32]", "--num_frames", "5", "--train_batch_size", "2",
+           "--out", tmp_path / "cache", *COMMON)
+    assert json.loads((tmp_path / "cache" / "cache.json").read_text())["samples"] == 2
     weights = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}  # noqa: E731
     index = json.loads((out / "final" / "model_index.json").read_text())
     assert index["transformer"] == index["transformer_2"] == ["mhla_diffusion", "MHLAWanTransformer3DModel"]
