@@ -79,10 +79,19 @@ def train_classifier(images, labels, *, steps: int, batch_size: int = 128, lr: f
 
 
 @torch.no_grad()
-def predict(model: DigitClassifier, images: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
+def probabilities(model: DigitClassifier, images: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
     device = next(model.parameters()).device
-    return torch.cat([model(chunk.to(device)).argmax(1).cpu() for chunk in images.split(batch_size)])
+    return torch.cat([model(chunk.to(device)).softmax(1).cpu() for chunk in images.split(batch_size)])
+
+
+def predict(model: DigitClassifier, images: torch.Tensor) -> torch.Tensor:
+    return probabilities(model, images).argmax(1)
 
 
 def accuracy(model: DigitClassifier, images: torch.Tensor, labels: torch.Tensor) -> float:
     return float((predict(model, images) == labels.cpu()).float().mean())
+
+
+def confidence(model: DigitClassifier, images: torch.Tensor) -> float:
+    """Mean top-class probability: how legibly each image is one digit, where no digit was asked for."""
+    return float(probabilities(model, images).max(1).values.mean())

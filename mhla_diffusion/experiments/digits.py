@@ -1,8 +1,10 @@
 """Does conversion keep quality? Softmax vs plain linear attention (M = 1) vs MHLA on real digits.
 
-With `mosaic` m > 1 every image is an m x m mosaic of real scans (one of ten fixed layouts of
-digits, the class label; each cell a scan drawn at random), so each region of the canvas must
-attend to its own content, and samples are scored per cell.
+With `mosaic` m > 1 every image is an m x m mosaic of real scans, so each region of the canvas
+must attend to its own content, and samples are scored per cell. Layout "fixed": the class label
+picks one of ten fixed layouts of digits, each cell a scan of its digit drawn at random; "random":
+every cell of every mosaic is a scan drawn at random, unconditional, so position does not decide
+content and a cell can only be one digit by attending to itself.
 
 1. a digit classifier on the real train scans (FID features, sample accuracy);
 2. a class-conditional softmax DiT pre-trained from scratch once (seed 0), reused by every seed;
@@ -39,7 +41,7 @@ from ..evaluation.store import pin_settings
 from ..training.model import mixing_drift
 from . import classifier as clf
 from . import pixel_dit, report
-from .digits_data import NUM_CLASSES, Digits, compose_mosaics, layouts, load_digits, split_cells, to_uint8_rgb
+from .digits_data import NUM_CLASSES, Digits, compose_mosaics, layouts, load_digits, random_mosaics, split_cells, to_uint8_rgb
 
 PRETRAIN_SEED = 0
 
@@ -71,24 +73,37 @@ class Settings:
     mosaic: int = 1  # cells per side: images are m x m mosaics of (resolution / m)-pixel scans, scored per cell
     hybrid: int = 0  # K >= 2: also the MHLA hybrid (every K-th layer keeps softmax); 0: no hybrid variant
     diagnostic: bool = False  # attention rank and entropy per layer of the first seed's fine-tuned models
+    layout: str = "fixed"  # mosaics: "fixed" (the label picks one of ten layouts) or "random" (unconditional)
+    curve_steps: tuple = ()  # also score linear and MHLA at these fine-tuning steps (data and teacher-only)
+    guided_target: bool = False  # data-free: also MHLA taught the teacher's guided prediction, sampled at guidance 1
+    mhla_lr_ablation: bool = False  # also MHLA with its parameters at the fine-tune rate (the mhla_lr ablation)
 
     @property
     def cell_resolution(self) -> int:
         return self.resolution // self.mosaic
 
+    @property
+    def conditional(self) -> bool:
+        return self.layout == "fixed"
+
+    def class_labels(self, n: int) -> torch.Tensor:
+        """Labels of `n` samples: classes (layouts) balanced, or all 0 for unconditional mosaics."""
+        return torch.arange(n) % NUM_CLASSES if self.conditional else torch.zeros(n, dtype=torch.long)
+
     def model_size(self) -> pixel_dit.ModelSize:
         return pixel_dit.ModelSize(self.layers, self.heads, self.head_dim, self.patch_size)
 
-    def train_settings(self, phase: str) -> pixel_dit.TrainSettings:
+    def train_settings(self, phase: str, variant: str = "") -> pixel_dit.TrainSettings:
         steps, lr = (self.pretrain_steps, self.pretrain_lr) if phase == "pretrain" else (self.finetune_steps, self.finetune_lr)
-        mhla_lr = self.mhla_lr if phase == "finetune" else 0.0
+        mhla_lr = self.mhla_lr if phase == "finetune" and variant != "mhla_base_lr" else 0.0
         return pixel_dit.TrainSettings(steps, self.batch_size, lr, min(self.warmup, steps), self.ema_decay, mhla_lr=mhla_lr)
 
 
 # Settings added after runs were made: left out of a run's pinned settings while at these defaults,
 # so such a run (which used them implicitly) can still be resumed.
 LATER_DEFAULTS = {"mhla_lr": 0.0, "data_free": False, "transfer_steps": 300, "teacher_samples": 1000,
-                  "mosaic": 1, "hybrid": 0, "diagnostic": False}
+                  "mosaic": 1, "hybrid": 0, "diagnostic": False, "layout": "fixed", "curve_steps": [],
+                  "guided_target": False, "mhla_lr_ablation": False}
 
 MOSAIC_TRAIN = 20_000  # mosaics composed once from the train scans (the diffusion model's training set)
 MOSAIC_REFERENCE = 5_000  # of them, the reference of the whole-image FID
@@ -116,6 +131,14 @@ PRESETS = {
                             pretrain_steps=2000, finetune_steps=600, batch_size=128, pretrain_lr=3e-4, finetune_lr=3e-4,
                             warmup=200, ema_decay=0.999, classifier_steps=2000, samples=500, sampling_steps=25,
                             guidance=1.5, seeds=(0, 1, 2), mhla_lr=5e-3, mosaic=4, hybrid=3, diagnostic=True),
+    # 1,024 tokens where position does not decide content: every cell a random scan, unconditional
+    # (guidance 1). Fixed before its run: mosaic-full's settings but the layouts, plus the mhla_lr
+    # ablation row (MHLA parameters at the fine-tune rate).
+    "mosaic-random": Settings(resolution=32, patch_size=1, layers=4, heads=4, head_dim=32, mhla_blocks=(1, 4, 4),
+                              pretrain_steps=2000, finetune_steps=600, batch_size=128, pretrain_lr=3e-4, finetune_lr=3e-4,
+                              warmup=200, ema_decay=0.999, classifier_steps=2000, samples=500, sampling_steps=25,
+                              guidance=1.0, seeds=(0, 1, 2), mhla_lr=5e-3, mosaic=4, hybrid=3, diagnostic=True,
+                              layout="random", mhla_lr_ablation=True),
     # CI on a CPU: 2 x 2 mosaics of 8x8 scans (256 tokens), three layers so the hybrid keeps one softmax.
     "mosaic-toy": Settings(resolution=16, patch_size=1, layers=3, heads=2, head_dim=8, mhla_blocks=(1, 2, 2),
                            pretrain_steps=8, finetune_steps=4, batch_size=8, pretrain_lr=1e-3, finetune_lr=1e-3,
@@ -127,11 +150,12 @@ VARIANTS = ("softmax", "linear", "mhla")
 
 
 def variants(settings: Settings) -> tuple:
-    return VARIANTS + (("hybrid",) if settings.hybrid else ())
+    return VARIANTS + (("hybrid",) if settings.hybrid else ()) + (("mhla_base_lr",) if settings.mhla_lr_ablation else ())
 
 
 def variant_blocks(settings: Settings) -> dict:
-    blocks = {"softmax": None, "linear": (1, 1, 1), "mhla": tuple(settings.mhla_blocks), "hybrid": tuple(settings.mhla_blocks)}
+    mhla = tuple(settings.mhla_blocks)
+    blocks = {"softmax": None, "linear": (1, 1, 1), "mhla": mhla, "hybrid": mhla, "mhla_base_lr": mhla}
     return {v: blocks[v] for v in variants(settings)}
 
 
@@ -142,7 +166,8 @@ def variant_layers(settings: Settings, variant: str) -> str:
 def variant_labels(settings: Settings) -> dict:
     m = math.prod(settings.mhla_blocks)
     labels = {"softmax": "softmax", "linear": "linear (one block)", "mhla": f"MHLA ({m} blocks)",
-              "hybrid": f"MHLA hybrid ({m} blocks, 1 in {settings.hybrid} layers softmax)"}
+              "hybrid": f"MHLA hybrid ({m} blocks, 1 in {settings.hybrid} layers softmax)",
+              "mhla_base_lr": f"MHLA ({m} blocks), its parameters at the fine-tune rate"}
     return {v: labels[v] for v in variants(settings)}
 
 
@@ -155,10 +180,25 @@ def table_rows(settings: Settings) -> list[tuple[str, str, int, str]]:
         rows += [row for v in DATA_FREE for row in (
             (f"{labels[v]}, attention transfer (no scans)", m[v], 0, f"{v}/transferred"),
             (f"{labels[v]}, transfer + teacher-only fine-tune (no scans)", m[v], settings.finetune_steps, f"{v}/teacher"))]
+        if settings.guided_target:
+            rows.append((f"{labels['mhla']}, transfer + teacher-only fine-tune on the guided target (no scans; sampled at "
+                         "guidance 1)", m["mhla"], settings.finetune_steps, "mhla/teacher_guided"))
     return rows
 
 
 DATA_FREE = ("linear", "mhla")
+CURVED = ("linear", "mhla")  # the variants `curve_steps` scores along the way
+
+
+def curve_rows(settings: Settings) -> list[tuple[str, list[tuple[int, str]]]]:
+    """(label, [(fine-tune step, results key)]) per quality curve: 0, the curve steps, the budget."""
+    labels, steps = variant_labels(settings), sorted(settings.curve_steps)
+    kinds = [("fine-tune on the scans", "converted", "finetuned")]
+    if settings.data_free:
+        kinds.append(("attention transfer + teacher-only fine-tune (no scans)", "transferred", "teacher"))
+    return [(f"{labels[v]}, {what}", [(0, f"{v}/{start}"), *((n, f"{v}/{end}@{n}") for n in steps),
+                                       (settings.finetune_steps, f"{v}/{end}")])
+            for v in CURVED for what, start, end in kinds]
 
 
 def parse_args(argv):
@@ -168,13 +208,18 @@ def parse_args(argv):
                    "outputs/<preset> for the mosaic presets)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    kinds = {"int": int, "float": float, "tuple": lambda text: tuple(int(x) for x in text.split(",")),
+    p.add_argument("--jobs", type=int, default=1, help="seeds run in parallel processes after the pre-training (one GPU "
+                   "serves several: these small models leave it mostly idle); default 1")
+    p.add_argument("--only-seed", type=int, default=None, help=argparse.SUPPRESS)  # one process of --jobs
+    kinds = {"int": int, "float": float, "str": str, "tuple": lambda text: tuple(int(x) for x in text.split(",") if x),
              "bool": lambda text: text.lower() in ("1", "true", "yes")}
     for f in fields(Settings):
         kind = parse_blocks if f.name == "mhla_blocks" else kinds[f.type]
         presets = ", ".join(f"{name}: {getattr(preset, f.name)}" for name, preset in PRESETS.items())
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"({presets})")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     args.out = args.out or Path("outputs/digits" if args.preset in ("full", "toy") else f"outputs/{args.preset}")
     overrides = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name) is not None}
     try:
@@ -182,6 +227,8 @@ def parse_args(argv):
         check(settings)
     except ValueError as e:
         p.error(str(e))
+    if args.only_seed is not None and args.only_seed not in settings.seeds:
+        p.error(f"--only-seed {args.only_seed} is not one of the seeds {settings.seeds}")
     return args, settings
 
 
@@ -204,6 +251,14 @@ def check(s: Settings) -> None:
         raise ValueError(f"resolution {s.resolution} is not a multiple of patch size {s.patch_size}")
     if s.mosaic < 1 or s.resolution % s.mosaic or s.cell_resolution < 8:
         raise ValueError(f"mosaic {s.mosaic} must divide resolution {s.resolution} into cells of at least the scans' 8 pixels")
+    if s.layout not in ("fixed", "random"):
+        raise ValueError(f"layout {s.layout!r} must be fixed or random")
+    if not s.conditional and (s.mosaic == 1 or s.guidance != 1.0 or s.data_free):
+        raise ValueError("layout random needs mosaic > 1, guidance 1 (it is unconditional) and no data_free")
+    if any(not 0 < n < s.finetune_steps for n in s.curve_steps):
+        raise ValueError(f"curve_steps {s.curve_steps} must lie strictly between 0 and finetune_steps ({s.finetune_steps})")
+    if s.guided_target and not (s.data_free and s.guidance != 1.0):
+        raise ValueError("guided_target needs data_free and a guidance scale other than 1 to distill")
     if s.hybrid and not 2 <= s.hybrid <= s.layers:
         raise ValueError(f"hybrid {s.hybrid} must be 0 (no hybrid variant) or in 2..layers ({s.layers}): every K-th layer keeps softmax")
     if isinstance(s.mhla_blocks, str):
@@ -243,7 +298,9 @@ class Results:
 
 class Judge:
     """Scores samples per cell: FID on the classifier's features against the real train scans, and
-    the classifier's accuracy against the requested digits (plain digits: one cell, the image).
+    the classifier's accuracy against the requested digits (plain digits: one cell, the image), or,
+    for unconditional random mosaics, its confidence (mean top-class probability: is each cell
+    legibly one digit).
 
     Mosaics are also scored whole: FID of the concatenated per-cell logits (m^2 x 10 features)
     against mosaics composed from the train scans. That space sees what per-cell scores cannot: which
@@ -252,7 +309,7 @@ class Judge:
     mosaics as upscaled noise."""
 
     def __init__(self, classifier, s: Settings, reference_cells: torch.Tensor, device, reference_mosaics=None):
-        self.classifier, self.device, self.mosaic = classifier, device, s.mosaic
+        self.classifier, self.device, self.mosaic, self.conditional = classifier, device, s.mosaic, s.conditional
         self.feature = clf.FIDFeatures(classifier, s.cell_resolution)
         self.reference = fidlib.tensor_stats(to_uint8_rgb(reference_cells), self.feature, device=device)
         self.layouts = layouts(s.mosaic)
@@ -267,13 +324,16 @@ class Judge:
         return fidlib.FeatureStats(features.mean(0), np.cov(features, rowvar=False), len(images))
 
     def score(self, images: torch.Tensor, labels: torch.Tensor) -> dict:
-        cells, cell_labels = split_cells(images, self.mosaic), self.layouts[labels].flatten()
+        cells = split_cells(images, self.mosaic)
         fake = fidlib.tensor_stats(to_uint8_rgb(cells), self.feature, device=self.device)
-        scores = {"fid": fidlib.frechet_distance(self.reference, fake), "accuracy": clf.accuracy(self.classifier, cells, cell_labels),
-                  "n": len(labels)}
+        scores = {"fid": fidlib.frechet_distance(self.reference, fake), "n": len(labels)}
+        if self.conditional:
+            scores["accuracy"] = clf.accuracy(self.classifier, cells, self.layouts[labels].flatten())
+        else:
+            scores["confidence"] = clf.confidence(self.classifier, cells)
         if self.mosaic > 1:
             scores["image_fid"] = fidlib.frechet_distance(self.reference_mosaics, self.mosaic_stats(images))
-            scores["cells"] = len(cell_labels)
+            scores["cells"] = len(cells)
         return scores
 
 
@@ -318,8 +378,9 @@ def pretrain_phase(out: Path, digits, s: Settings, results: Results, device, pro
 
 
 def save_samples(path: Path, images, labels, s: Settings) -> None:
-    """Plain digits: 10 per class; mosaics: 4 per layout, each pixel drawn 3 x 3."""
-    report.save_grid(path, images, labels, *((4, 3 * s.resolution) if s.mosaic > 1 else ()))
+    """Plain digits: 10 per class; mosaics: 4 per layout (random ones: 40), each pixel drawn 3 x 3."""
+    rows = labels if s.conditional else torch.arange(len(labels)) % NUM_CLASSES
+    report.save_grid(path, images, rows, *((4, 3 * s.resolution) if s.mosaic > 1 else ()))
 
 
 def attention_diagnostic(model, s: Settings, seed: int) -> list[dict]:
@@ -349,20 +410,35 @@ def curve(losses: list[float]) -> dict:
     return {"every": every, "loss": report.smooth(losses, every)}
 
 
-def evaluate(results: Results, judge: Judge, model, key: str, seed: int, s: Settings, out: Path, extra: dict) -> None:
-    """Sample, score, record; the first seed's samples also become a grid PNG."""
-    labels = torch.arange(s.samples) % NUM_CLASSES
+def evaluate(results: Results, judge: Judge, model, key: str, seed: int, s: Settings, out: Path, extra: dict,
+             guidance: float | None = None) -> None:
+    """Sample (at the experiment's guidance unless given), score, record; the first seed's samples
+    also become a grid PNG, except those along a curve."""
+    labels = s.class_labels(s.samples)
     with timed(results, "sampling+scoring"):
-        images = pixel_dit.sample(model, labels, s.sampling_steps, s.guidance, seed)
+        images = pixel_dit.sample(model, labels, s.sampling_steps, s.guidance if guidance is None else guidance, seed)
         scores = judge.score(images, labels)
-    if seed == s.seeds[0]:
+    if seed == s.seeds[0] and "@" not in key:
         save_samples(out / f"samples_{key.replace('/', '_')}.png", images, labels, s)
     results.add_run(key, seed, {**scores, **extra})
-    print(f"[digits] {key} seed {seed}: FID {scores['fid']:.3f}, accuracy {scores['accuracy']:.3f}", flush=True)
+    legibility = f"accuracy {scores['accuracy']:.3f}" if "accuracy" in scores else f"confidence {scores['confidence']:.3f}"
+    print(f"[digits] {key} seed {seed}: FID {scores['fid']:.3f}, {legibility}", flush=True)
+
+
+def finetune(results: Results, judge: Judge, model, images, labels, variant: str, kind: str, seed: int, s: Settings,
+             out: Path, progress: bool, teacher=None) -> list[float]:
+    """Fine-tune `model` (its `kind` of run: finetuned, teacher, teacher_guided), scoring the curve variants
+    at `curve_steps` on the way (resumed runs repeat the fine-tune, so these are rewritten, not skipped)."""
+    curve = s.curve_steps if variant in CURVED and kind in ("finetuned", "teacher") else ()
+    score_at = lambda n: evaluate(results, judge, model, f"{variant}/{kind}@{n}", seed, s, out, {"finetune_steps": n})  # noqa: E731
+    what = {"finetuned": "finetune", "teacher": "teacher-only finetune", "teacher_guided": "teacher-only guided finetune"}[kind]
+    with timed(results, f"{what} {variant}"):
+        return pixel_dit.train(model, images, labels, s.train_settings("finetune", variant), seed,
+                               f"{what} {variant_labels(s)[variant]} seed {seed}", progress, teacher=teacher,
+                               at_steps=curve, at_step=score_at)
 
 
 def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Results, out: Path, progress: bool) -> None:
-    labels = variant_labels(s)
     for variant, blocks in variant_blocks(s).items():
         if results.done(f"{variant}/converted", seed) and results.done(f"{variant}/finetuned", seed):
             continue
@@ -370,9 +446,8 @@ def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Resu
         if not results.done(f"{variant}/converted", seed):
             evaluate(results, judge, model, f"{variant}/converted", seed, s, out, {"finetune_steps": 0})
         if not results.done(f"{variant}/finetuned", seed):
-            with timed(results, f"finetune {variant}"):
-                losses = pixel_dit.train(model, digits.train_images, digits.train_labels, s.train_settings("finetune"),
-                                         seed, f"finetune {labels[variant]} seed {seed}", progress)
+            losses = finetune(results, judge, model, digits.train_images, digits.train_labels, variant, "finetuned", seed, s,
+                              out, progress)
             results.data["curves"][f"{variant}/seed{seed}"] = curve(losses)
             if s.diagnostic and seed == s.seeds[0]:
                 with timed(results, "attention diagnostic"):
@@ -386,40 +461,43 @@ def seed_phase(base, digits, judge: Judge, seed: int, s: Settings, results: Resu
 
 def data_free_phase(base, judge: Judge, seed: int, s: Settings, results: Results, out: Path, progress: bool) -> None:
     """Conversion with the pre-trained model as the only teacher, no scans: attention transfer on its own
-    samples, then fine-tuning on its own samples with its prediction as the distillation target."""
+    samples, then fine-tuning on its own samples with its prediction as the distillation target (both CFG
+    branches; with `guided_target` also MHLA on the guided prediction, sampled at guidance 1)."""
     from ..conversion import default_config
     from ..transfer import transfer
 
-    labels = variant_labels(s)
-    teacher_labels = torch.arange(s.teacher_samples) % NUM_CLASSES
+    teacher_labels = s.class_labels(s.teacher_samples)
     teacher_images = None
-    for variant in DATA_FREE:
-        if results.done(f"{variant}/transferred", seed) and results.done(f"{variant}/teacher", seed):
+    runs = [(v, "teacher", None) for v in DATA_FREE] + ([("mhla", "teacher_guided", s.guidance)] if s.guided_target else [])
+    for variant, kind, guidance in runs:
+        if results.done(f"{variant}/transferred", seed) and results.done(f"{variant}/{kind}", seed):
             continue
         model = copy.deepcopy(base)
-        fit_labels = torch.arange(4 * NUM_CLASSES) % NUM_CLASSES
+        fit_labels = s.class_labels(4 * NUM_CLASSES)
         with timed(results, f"transfer {variant}"):
             fits = transfer(model, default_config(model, blocks=variant_blocks(s)[variant]),
                             lambda: pixel_dit.sample(model, fit_labels, s.sampling_steps, s.guidance, seed + 2000),
                             keep=16, steps=s.transfer_steps, lr=1e-2, projection_lr=s.finetune_lr * 10, seed=seed,
                             progress=progress)
-        evaluate(results, judge, model, f"{variant}/transferred", seed, s, out,
-                 {"finetune_steps": 0, "layers": [{"layer": f.name, "before": f.before, "after": f.after} for f in fits]})
+        if not results.done(f"{variant}/transferred", seed):
+            evaluate(results, judge, model, f"{variant}/transferred", seed, s, out,
+                     {"finetune_steps": 0, "layers": [{"layer": f.name, "before": f.before, "after": f.after} for f in fits]})
         if teacher_images is None:
             with timed(results, "teacher samples"):
                 teacher_images = pixel_dit.sample(base, teacher_labels, s.sampling_steps, s.guidance, seed + 1000)
-        with timed(results, f"teacher-only finetune {variant}"):
-            losses = pixel_dit.train(model, teacher_images, teacher_labels, s.train_settings("finetune"), seed,
-                                     f"teacher-only {labels[variant]} seed {seed}", progress, teacher=base)
-        results.data["curves"][f"{variant}_teacher/seed{seed}"] = curve(losses)
-        evaluate(results, judge, model, f"{variant}/teacher", seed, s, out,
-                 {"finetune_steps": s.finetune_steps, **mixing_drift(model)})
+        losses = finetune(results, judge, model, teacher_images, teacher_labels, variant, kind, seed, s, out, progress,
+                          teacher=pixel_dit.Teacher(base, guidance))
+        results.data["curves"][f"{variant}_{kind}/seed{seed}"] = curve(losses)
+        evaluate(results, judge, model, f"{variant}/{kind}", seed, s, out,
+                 {"finetune_steps": s.finetune_steps, **mixing_drift(model)}, guidance=1.0 if guidance else None)
         del model
 
 
 def write_report(out: Path, s: Settings, results: Results) -> None:
-    (out / "results.md").write_text(report.results_markdown(results.data, table_rows(s)))
+    (out / "results.md").write_text(report.results_markdown(results.data, table_rows(s)) + report.curve_markdown(results.data, curve_rows(s)))
     report.plot_losses(out / "loss_curves.png", results.data["curves"], variant_labels(s))
+    if s.curve_steps:
+        report.plot_quality(out / "quality_curves.png", results.data["runs"], curve_rows(s))
     if results.data.get("attention"):
         report.plot_attention(out / "attention.png", results.data["attention"], variant_labels(s))
     if s.mosaic > 1:
@@ -434,13 +512,63 @@ def load_data(s: Settings) -> tuple[Digits, Digits]:
     scans = load_digits(s.cell_resolution)
     if s.mosaic == 1:
         return scans, scans
-    train_ids, test_ids = torch.arange(MOSAIC_TRAIN) % NUM_CLASSES, torch.arange(s.samples) % NUM_CLASSES
+    train_ids, test_ids = s.class_labels(MOSAIC_TRAIN), s.class_labels(s.samples)
+    if not s.conditional:
+        return scans, Digits(random_mosaics(scans.train_images, MOSAIC_TRAIN, s.mosaic, seed=1), train_ids,
+                             random_mosaics(scans.test_images, s.samples, s.mosaic, seed=2), test_ids)
     return scans, Digits(compose_mosaics(scans.train_images, scans.train_labels, train_ids, s.mosaic, seed=1), train_ids,
                          compose_mosaics(scans.test_images, scans.test_labels, test_ids, s.mosaic, seed=2), test_ids)
 
 
+def run_seeds_in_parallel(argv: list[str], out: Path, s: Settings, jobs: int, results: Results) -> int:
+    """Each seed in its own process (this command with --only-seed, in OUT/seeds/SEED, sharing OUT's
+    checkpoints), `jobs` at a time; their results are merged into OUT's as each batch ends. A rerun
+    resumes every seed where its process stopped."""
+    import subprocess
+
+    rc = 0
+    for first in range(0, len(s.seeds), jobs):
+        procs = []
+        for seed in s.seeds[first:first + jobs]:
+            child = out / "seeds" / str(seed)
+            child.mkdir(parents=True, exist_ok=True)
+            if not (child / "checkpoints").exists():
+                (child / "checkpoints").symlink_to((out / "checkpoints").resolve(), target_is_directory=True)
+            cmd = [sys.executable, "-m", "mhla_diffusion.experiments.digits", *argv,
+                   "--out", str(child), "--only-seed", str(seed), "--jobs", "1", "--no-progress"]
+            procs.append(subprocess.Popen(cmd))
+        rc = max([rc, *(p.wait() for p in procs)])
+        merge_seed_results(out, s, results)
+    return rc
+
+
+def merge_seed_results(out: Path, s: Settings, results: Results) -> None:
+    """Runs, curves, diagnostics and timings of OUT/seeds/*/results.json into OUT's (the first seed's
+    sample grids too)."""
+    import shutil
+
+    jobs = results.data.setdefault("jobs", {})
+    for seed in s.seeds:
+        child = out / "seeds" / str(seed)
+        if not (child / "results.json").is_file():
+            continue
+        data = json.loads((child / "results.json").read_text())
+        for key, runs in data["runs"].items():
+            results.data["runs"].setdefault(key, {}).update(runs)
+        results.data["curves"].update({k: v for k, v in data["curves"].items() if k != "pretrain"})
+        if data.get("attention"):
+            results.data.setdefault("attention", {}).update(data["attention"])
+        jobs[str(seed)] = {"timings_s": data.get("timings_s", {}), "wall_s": data.get("wall_s")}
+        if seed == s.seeds[0]:
+            for png in child.glob("samples_*.png"):
+                if png.name != "samples_real.png":
+                    shutil.copyfile(png, out / png.name)
+    results.save()
+
+
 def main(argv=None) -> int:
-    args, s = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, s = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -456,7 +584,7 @@ def main(argv=None) -> int:
         return 2
     (out / "checkpoints").mkdir(exist_ok=True)
     header = {"settings": json.loads(json.dumps(asdict(s))), "preset": args.preset, "device": str(device), "card": card(device),
-              "torch": torch.__version__, "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(argv),
+              "torch": torch.__version__, "command": shlex.join(["python", "recipes/experiments/digits.py", *argv]),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")}
     results = Results(out / "results.json", header)
 
@@ -474,9 +602,23 @@ def main(argv=None) -> int:
     print(f"[digits] classifier test accuracy {test_acc:.4f}; held-out real scans FID {results.data['real_heldout']['fid']:.3f}", flush=True)
 
     base = pretrain_phase(out, digits, s, results, device, progress)
-    for seed in s.seeds:
-        seed_phase(base, digits, judge, seed, s, results, out, progress)
-        results.data["wall_s"] = time.perf_counter() - t0
-        write_report(out, s, results)
+    if args.jobs > 1 and len(s.seeds) > 1:
+        del base
+        rc = run_seeds_in_parallel(argv, out, s, args.jobs, results)
+    else:
+        rc = 0
+        for seed in s.seeds if args.only_seed is None else (args.only_seed,):
+            seed_phase(base, digits, judge, seed, s, results, out, progress)
+            results.data["wall_s"] = time.perf_counter() - t0
+            write_report(out, s, results)
+    results.data["wall_s"] = time.perf_counter() - t0
+    write_report(out, s, results)
+    if rc:
+        print(f"error: a seed's process failed (exit {rc}); rerun the same command to resume", file=sys.stderr)
+        return rc
     print(f"[digits] done in {time.perf_counter() - t0:.1f} s: {out / 'results.md'}", flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -93,3 +93,10 @@ def compose_mosaics(scans: torch.Tensor, scan_labels: torch.Tensor, layout_ids: 
         where = torch.nonzero(want == digit).flatten()
         chosen[where] = pool[torch.randint(len(pool), (len(where),), generator=generator)]
     return join_cells(scans[chosen], cells_per_side)
+
+
+def random_mosaics(scans: torch.Tensor, count: int, cells_per_side: int, seed: int) -> torch.Tensor:
+    """`count` mosaics whose every cell is a scan drawn at random (with replacement) from `scans`: no
+    layout, the digits of the cells independent of each other and of their position."""
+    generator = torch.Generator().manual_seed(seed)
+    return join_cells(scans[torch.randint(len(scans), (count * cells_per_side ** 2,), generator=generator)], cells_per_side)

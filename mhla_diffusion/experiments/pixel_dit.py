@@ -59,11 +59,48 @@ def build_dit(resolution: int, size: ModelSize, seed: int):
         attention_bias=True)
 
 
+LABEL_DROPOUT = 0.1  # DiT's own class dropout (its label embedding's dropout_prob): the unconditional branch
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """Output distillation from a frozen `model` at the student's noisy input (weight 1).
+
+    guidance None: both branches as CFG sampling evaluates them: the same labels, the same 10 % of
+    them dropped to the null class, go to teacher and student (DiT drops labels inside its forward
+    in train mode, independently per layer and never in the eval-mode teacher, so the student's
+    own dropout is switched off). guidance g: the teacher's guided prediction
+    uncond + g (cond - uncond) is the target of the student's conditional one (guidance
+    distillation; the student then samples at guidance 1)."""
+
+    model: torch.nn.Module
+    guidance: float | None = None
+
+
+def _labels_fixed(model) -> None:
+    """No label dropout inside `model`'s forward (the caller draws it)."""
+    from diffusers.models.embeddings import LabelEmbedding
+
+    for m in model.modules():
+        if isinstance(m, LabelEmbedding):
+            m.eval()
+
+
+def _distill_target(teacher: Teacher, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        cond = model_output(teacher.model(**inputs))
+        if teacher.guidance is None:
+            return cond
+        uncond = model_output(teacher.model(**{**inputs, "class_labels": torch.full_like(inputs["class_labels"], NUM_CLASSES)}))
+        return uncond + teacher.guidance * (cond - uncond)
+
+
 def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, progress: bool = True,
-          teacher=None) -> list[float]:
+          teacher: Teacher | None = None, at_steps=(), at_step=None) -> list[float]:
     """AdamW (wd 0) with linear warm-up, grad clipping and EMA, all parameters trained; the EMA
-    weights end up in `model`. With a `teacher`, its prediction at the same noisy input is a second
-    target (output distillation, weight 1). Returns the loss of every step."""
+    weights end up in `model`. With a `teacher`, its prediction is a second target (`Teacher`).
+    `at_step(step)` is called after each of `at_steps` with the EMA weights in `model` (eval mode),
+    for quality along the way. Returns the loss of every step."""
     from diffusers.training_utils import EMAModel
 
     device = next(model.parameters()).device
@@ -75,18 +112,19 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4, foreach=True)
     images, labels = images.to(device), labels.to(device)
     torch.manual_seed(seed)
-    model.train()
+    train_mode(model, teacher)
     losses = []
-    for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, mininterval=2):
+    for step in tqdm(range(1, settings.steps + 1), desc=desc, disable=not progress, mininterval=2):
         idx = torch.randint(0, len(labels), (settings.batch_size,), device=device)
         noisy = objective.noisy(images[idx])
-        inputs = DIT.transformer_inputs(model, noisy.model_input, noisy.timestep, {"class_label": labels[idx]})
+        y = labels[idx]
+        if teacher is not None and teacher.guidance is None:
+            y = torch.where(torch.rand(len(y), device=device) < LABEL_DROPOUT, NUM_CLASSES, y)
+        inputs = DIT.transformer_inputs(model, noisy.model_input, noisy.timestep, {"class_label": y})
         out = model_output(model(**inputs))
         loss = objective.loss(out, noisy)
         if teacher is not None:
-            with torch.no_grad():
-                target = model_output(teacher(**inputs))
-            loss = loss + (out - target).pow(2).mean()
+            loss = loss + (out - _distill_target(teacher, inputs)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
@@ -94,12 +132,25 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
         lr_schedule.step()
         ema.step(params)
         losses.append(loss.detach())
+        if step in at_steps and step < settings.steps:
+            ema.store(params)
+            ema.copy_to(params)
+            model.eval()
+            at_step(step)
+            ema.restore(params)
+            train_mode(model, teacher)
     ema.copy_to(params)
     model.eval()
     losses = torch.stack(losses).cpu().tolist() if losses else []
     if not all(math.isfinite(v) for v in losses):
         raise FloatingPointError(f"{desc}: the training loss became non-finite; lower the learning rate")
     return losses
+
+
+def train_mode(model, teacher: Teacher | None) -> None:
+    model.train()
+    if teacher is not None:
+        _labels_fixed(model)
 
 
 @torch.no_grad()

@@ -142,16 +142,61 @@ def sample_sheet(path: Path, panels: list[tuple[Path, str]], cols: int = 5) -> N
 
 
 def run_lines(results: dict) -> list[str]:
-    """The card's lines about the run itself: date, card, command, time."""
-    timings = results.get("timings_s", {})
+    """The card's lines about the run itself: date, card, command, time (phases of seeds run in
+    parallel processes added in)."""
+    timings = dict(results.get("timings_s", {}))
+    jobs = results.get("jobs", {})
+    for job in jobs.values():
+        for k, v in job["timings_s"].items():
+            timings[k] = timings.get(k, 0.0) + v
+    parallel = f", seeds in {len(jobs)} parallel processes" if jobs else ""
     return [
         f"- date (UTC): {results['date']}",
         f"- card: {results['card']} (torch {results['torch']}, fp32 weights{', TF32 matmuls' if results['device'].startswith('cuda') else ''})",
         f"- command: `{results['command']}`",
         f"- time (all sessions of a resumed run): {sum(timings.values()):.0f} s in the phases ("
         + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-        + f"); the last session took {results.get('wall_s', math.nan):.0f} s",
+        + f"{parallel}); the last session took {results.get('wall_s', math.nan):.0f} s",
     ]
+
+
+def curve_markdown(results: dict, curves: list[tuple[str, list[tuple[int, str]]]]) -> str:
+    """Quality along fine-tuning: FID (mean ± std over seeds) at each scored step, per curve."""
+    if not curves or len(curves[0][1]) <= 2:
+        return ""
+    steps = [n for n, _ in curves[0][1]]
+    lines = ["", "## Quality along fine-tuning", "", "FID (mean ± std over seeds) after N fine-tuning steps:", "",
+             "| run | " + " | ".join(f"N = {n}" for n in steps) + " |", "|---|" + "---|" * len(steps)]
+    for label, points in curves:
+        lines.append(f"| {label} | " + " | ".join(mean_std([r["fid"] for r in results["runs"].get(key, {}).values()])
+                                                  for _, key in points) + " |")
+    return "\n".join(lines + ["", ""])
+
+
+def plot_quality(path: Path, runs: dict, curves: list[tuple[str, list[tuple[int, str]]]]) -> None:
+    """FID against fine-tuning steps, one line per curve (mean over seeds, band = min..max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in curves:
+        have = [(n, [r["fid"] for r in runs.get(key, {}).values()]) for n, key in points]
+        have = [(n, v) for n, v in have if v]
+        if not have:
+            continue
+        x = [n for n, _ in have]
+        line, = ax.plot(x, [statistics.fmean(v) for _, v in have], marker="o", label=label)
+        ax.fill_between(x, [min(v) for _, v in have], [max(v) for _, v in have], color=line.get_color(), alpha=0.2)
+    ax.set(xlabel="fine-tuning steps", ylabel="FID (classifier features)", yscale="log",
+           title="quality after conversion, along fine-tuning")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def results_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> str:
@@ -194,6 +239,8 @@ def mosaic_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> str
     """The mosaic results table: per-cell FID and accuracy, whole-image FID, mixing change."""
     s = results["settings"]
     m, cell = s["mosaic"], s["resolution"] // s["mosaic"]
+    conditional = s.get("layout", "fixed") == "fixed"
+    legibility = "accuracy" if conditional else "confidence"
     real, clf, mos = results.get("real_heldout"), results.get("classifier", {}), results.get("mosaics", {})
     seeds = sorted({seed for runs in results["runs"].values() for seed in runs}, key=int)
     tokens = (s["resolution"] // s["patch_size"]) ** 2
@@ -202,29 +249,32 @@ def mosaic_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> str
         "",
         *run_lines(results),
         f"- data: {m}x{m} mosaics of scikit-learn's real {cell}x{cell} digit scans on a {s['resolution']}x{s['resolution']} canvas; "
-        f"the class label picks one of 10 fixed layouts (which digit in which cell, drawn at random once), each cell a scan "
-        f"of that digit drawn at random; {mos.get('train_n')} train mosaics from the {clf.get('train_n')} train scans, "
+        + ("the class label picks one of 10 fixed layouts (which digit in which cell, drawn at random once), each cell a scan "
+           "of that digit drawn at random" if conditional else
+           "unconditional: every cell of every mosaic a scan drawn at random, so position decides nothing about content")
+        + f"; {mos.get('train_n')} train mosaics from the {clf.get('train_n')} train scans, "
         f"held-out mosaics from the {clf.get('test_n')} held-out scans",
         f"- model: DiT, {s['layers']} layers, {s['heads']} heads x {s['head_dim']}, patch {s['patch_size']} ({tokens} tokens), "
         f"pre-trained once ({s['pretrain_steps']} steps, lr {s['pretrain_lr']}, seed 0), fine-tuned {s['finetune_steps']} steps "
         f"per variant and seed (lr {s['finetune_lr']}, MHLA parameters {s.get('mhla_lr') or s['finetune_lr']}; seeds {', '.join(seeds)}), "
         f"batch {s['batch_size']}; MHLA blocks {tuple(s['mhla_blocks'])}",
-        f"- samples: {s['samples']} mosaics per evaluation ({s['samples'] * m * m} cells; layouts balanced), "
+        f"- samples: {s['samples']} mosaics per evaluation ({s['samples'] * m * m} cells{'; layouts balanced' if conditional else ''}), "
         f"DDIM {s['sampling_steps']} steps, guidance {s['guidance']}",
         f"- digit classifier: test accuracy {clf.get('test_accuracy', math.nan):.4f} on the held-out scans. Cell FID: its "
         f"{clf.get('features')}-d penultimate features of every cell against the train scans. Image FID: the "
-        f"{m * m} cells' classifier logits concatenated ({m * m * 10}-d) against {mos.get('reference_n')} train mosaics",
+        f"{m * m} cells' classifier logits concatenated ({m * m * 10}-d) against {mos.get('reference_n')} train mosaics"
+        + ("" if conditional else ". Cell confidence: the classifier's mean top-class probability per cell (is it legibly one digit)"),
         "",
-        "| attention | blocks M | fine-tune steps | cell FID (mean ± std) | cell accuracy (mean ± std) | image FID (mean ± std) | mixing change |",
+        f"| attention | blocks M | fine-tune steps | cell FID (mean ± std) | cell {legibility} (mean ± std) | image FID (mean ± std) | mixing change |",
         "|---|---|---|---|---|---|---|",
     ]
     if real:
-        lines.append(f"| real held-out mosaics (n = {real['n']}) | — | — | {real['fid']:.3f} | {real['accuracy']:.3f} | "
+        lines.append(f"| real held-out mosaics (n = {real['n']}) | — | — | {real['fid']:.3f} | {real[legibility]:.3f} | "
                      f"{real['image_fid']:.3f} | — |")
     for label, mm, steps, key in rows:
         runs = list(results["runs"].get(key, {}).values())
         drift = [r["mhla/mixing_change"] for r in runs if "mhla/mixing_change" in r]
-        lines.append(f"| {label} | {mm} | {steps} | {mean_std([r['fid'] for r in runs])} | {mean_std([r['accuracy'] for r in runs])} | "
+        lines.append(f"| {label} | {mm} | {steps} | {mean_std([r['fid'] for r in runs])} | {mean_std([r[legibility] for r in runs])} | "
                      f"{mean_std([r['image_fid'] for r in runs])} | {mean_std(drift) if drift else '—'} |")
     lines += ["", "Spread is the sample standard deviation over seeds (the softmax pre-trained row: one model, sampled with "
               "each seed's noise). Mixing change: mean |Mc - Mc0| / mean Mc0 over converted layers after fine-tuning "
