@@ -3,10 +3,12 @@
 import json
 
 import pytest
-
+import torch
 
 import mhla_diffusion
 from mhla_diffusion import zoo
+from mhla_diffusion.training import distill, model
+from mhla_diffusion.training.train_config import load_config
 
 from test_recipes import launch, scalars
 
@@ -59,3 +61,23 @@ def test_teacher_cache_refuses_bad_input(tmp_path):
     assert "the teacher must be the original model" in out
     assert not (tmp_path / "cache" / "cache.json").exists() and not (tmp_path / "cache2").exists()
 
+
+
+@pytest.mark.parametrize("family", ["dit", "pixart"])
+def test_the_student_in_train_mode_computes_what_its_teacher_computes(family, tmp_path):
+    """Teacher and student must see the same conditioning: with the same weights, the recipe's student in
+    train mode predicts exactly what its frozen teacher (eval mode) predicts on the same inputs. diffusers'
+    DiT drops class labels to its null class inside its forward in train mode (LabelEmbedding.token_drop),
+    which would train the student's unconditional branch toward the teacher's conditional prediction."""
+    zoo.build_pipeline(family).save_pretrained(tmp_path / "original")
+    cfg = load_config(None, {"pretrained": str(tmp_path / "original"), "train_mode": "mhla"})
+    _, transformer, fam = model.load_model(cfg)
+    teacher = distill.build_teacher(transformer, model.frozen_parameter_ids(transformer, cfg))
+    transformer.train()
+    c = transformer.config
+    inputs = fam.example_inputs(transformer, (c.in_channels, c.sample_size, c.sample_size), batch=32,
+                                generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        student_out, teacher_out = (m(**inputs, return_dict=False)[0] for m in (transformer, teacher))
+    differing = (student_out - teacher_out).flatten(1).abs().amax(1) > 0
+    assert not differing.any(), f"{int(differing.sum())} of 32 samples differ"
