@@ -70,6 +70,13 @@ def test_unknown_keys_are_named(tmp_path):
         parse_overrides(["--train_mode", "--pretrained", "x"])
     with pytest.raises(ValueError, match="resume continues the run in output_dir and overwrite_output_dir deletes it"):
         load_config(None, parse_overrides(["--pretrained", "x", "--resume", "latest", "--overwrite_output_dir"]))
+    guidance = {"pretrained": "x", "distill_output": "1.0"}
+    for bad, message in [({"uncond_prob": "1.5"}, r"uncond_prob is the fraction .*give a value in \[0, 1\], got 1.5"),
+                         ({"distill_guidance_scale": "0.5"}, r"distill_guidance_scale must be >= 1 \(1: the teacher's unguided"),
+                         ({"distill_guidance_scale": "3", "distill_output": "0"}, "set distill_output > 0, or distill_guidance_scale 1"),
+                         ({"distill_guidance_scale": "3", "validation_steps": "10"}, "samples at guidance 1: set validation_guidance_scale 1")]:
+        with pytest.raises(ValueError, match=message):
+            load_config(None, {**guidance, **bad})
 
 
 def test_bad_yaml_is_a_one_line_value_error(tmp_path):
@@ -247,3 +254,4 @@ def test_save_trained_writes_the_given_state_dict_into_the_pipeline(tmp_path):
     model.save_trained(tmp_path / "final", pipe.transformer, gathered, pipe)
     saved = md.from_pretrained(tmp_path / "final").transformer.state_dict()
     assert all(torch.equal(saved[k], gathered[k]) for k in gathered)
+

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..families import self_attentions
+from .objectives import model_output
 
 
 def build_teacher(transformer, shared_ids: set[int], dtype=None):
@@ -27,6 +28,19 @@ def build_teacher(transformer, shared_ids: set[int], dtype=None):
             if dtype is not None:
                 p.data = p.data.to(dtype)
     return teacher.eval()
+
+
+def teacher_prediction(teacher, inputs: dict, uncond_inputs: dict | None = None, scale: float = 1.0) -> torch.Tensor:
+    """The distillation target: the teacher's prediction at the student's `inputs`, or, given the unconditional
+    inputs, guided as the pipelines guide: uncond + scale * (cond - uncond) on the predicted channels (those of
+    the input; a learned variance beyond them stays the conditional one, which the pipelines discard). The
+    unconditional pass runs first, so an AttentionTap on the teacher keeps the pass the student also ran."""
+    if uncond_inputs is None:
+        return model_output(teacher(**inputs, return_dict=False))
+    uncond = model_output(teacher(**uncond_inputs, return_dict=False))
+    cond = model_output(teacher(**inputs, return_dict=False))
+    c = inputs["hidden_states"].shape[1]
+    return torch.cat([uncond[:, :c] + scale * (cond[:, :c] - uncond[:, :c]), cond[:, c:]], dim=1)
 
 
 class AttentionTap:
