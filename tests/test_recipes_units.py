@@ -255,3 +255,18 @@ def test_save_trained_writes_the_given_state_dict_into_the_pipeline(tmp_path):
     saved = md.from_pretrained(tmp_path / "final").transformer.state_dict()
     assert all(torch.equal(saved[k], gathered[k]) for k in gathered)
 
+def test_attention_tap_keeps_the_forward_outputs_under_gradient_checkpointing():
+    """The backward's recomputation (gradient checkpointing) must not replace what the tap kept: those outputs
+    would hold every block's recomputed activations until the next step."""
+    from mhla_diffusion.conversion import converted_indices
+    from mhla_diffusion.families import family_of
+    from mhla_diffusion.training import distill
+
+    transformer = zoo.build_transformer("wan")
+    convert(transformer, default_config(transformer, blocks=(1, 2, 2)))
+    tap = distill.AttentionTap(transformer, converted_indices(transformer))
+    transformer.train().enable_gradient_checkpointing()
+    out = transformer(**family_of(transformer).example_inputs(transformer, (16, 3, 8, 8)), return_dict=False)[0]
+    kept = dict(tap.outputs)
+    (out.square().mean() + sum(t.square().mean() for t in kept.values())).backward()
+    assert tap.outputs.keys() == kept.keys() and all(tap.outputs[i] is kept[i] for i in kept)
