@@ -255,6 +255,17 @@ def test_save_trained_writes_the_given_state_dict_into_the_pipeline(tmp_path):
     saved = md.from_pretrained(tmp_path / "final").transformer.state_dict()
     assert all(torch.equal(saved[k], gathered[k]) for k in gathered)
 
+def test_gpu_check_tiny_runs_every_variant(capsys):
+    """The GPU check's code paths (data step, teacher-only distillation, attention transfer's pieces) on a CPU."""
+    gpu_check = recipe("gpu_check")
+    rows = gpu_check.main(["--preset", "tiny", "--steps", "1", "--warmup", "0", "--variants", ",".join(gpu_check.VARIANTS)])
+    assert [r["variant"] for r in rows] == list(gpu_check.VARIANTS)
+    assert all(r["step_s"] > 0 and np.isfinite(r["loss"]) for r in rows)
+    assert "transfer at its defaults" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--preset", "tiny", "--variants", "mhla,teacher_only"])
+
+
 def test_attention_tap_keeps_the_forward_outputs_under_gradient_checkpointing():
     """The backward's recomputation (gradient checkpointing) must not replace what the tap kept: those outputs
     would hold every block's recomputed activations until the next step."""
