@@ -32,6 +32,13 @@ class Call:
     output: torch.Tensor
     grid: tuple
 
+    @property
+    def nbytes(self) -> int:
+        """The CPU memory it holds (`--layers-per-pass` bounds the kept calls' total)."""
+        sizes = []
+        _map((self.args, self.kwargs, self.output), lambda t: sizes.append(t.nbytes))
+        return sum(sizes)
+
 
 @dataclass
 class LayerFit:
@@ -113,10 +120,9 @@ def _loss(layer, call: Call, device) -> torch.Tensor:
     return (out - target).pow(2).mean() / target.pow(2).mean().clamp_min(1e-12)
 
 
-def fit_layer(attn, processor, calls: list, steps: int, lr: float, projection_lr: float | None, device, seed: int = 0):
-    """Fit `processor` (and, with `projection_lr`, the layer's projections) on a float32 copy of `attn`.
-
-    Returns (the fitted layer copy, LayerFit without its name)."""
+def fitting(attn, processor, lr: float, projection_lr: float | None, device):
+    """A float32 copy of `attn` with `processor`, and the Adam optimizer of what is fitted: the processor's
+    parameters, with `projection_lr` also the layer's projections."""
     layer = copy.deepcopy(attn).to(device=device, dtype=torch.float32)
     layer.set_processor(processor.to(device=device, dtype=torch.float32))
     groups = [{"params": list(layer.processor.parameters()), "lr": lr}]
@@ -125,16 +131,26 @@ def fit_layer(attn, processor, calls: list, steps: int, lr: float, projection_lr
         p.requires_grad_(projection_lr is not None)
     if projection_lr is not None:
         groups.append({"params": projections, "lr": projection_lr})
+    return layer, torch.optim.Adam(groups)
+
+
+def fit_step(layer, optimizer, call: Call, device) -> float:
+    """One optimizer step of a layer from `fitting` on one recorded call; its loss."""
+    loss = _loss(layer, call, device)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def fit_layer(attn, processor, calls: list, steps: int, lr: float, projection_lr: float | None, device, seed: int = 0):
+    """Fit `processor` (and, with `projection_lr`, the layer's projections) on a float32 copy of `attn`.
+
+    Returns (the fitted layer copy, LayerFit without its name)."""
+    layer, opt = fitting(attn, processor, lr, projection_lr, device)
     before = _relative_error(layer, calls, device)
-    opt = torch.optim.Adam(groups)
     order = random.Random(seed)
-    curve = []
-    for _ in range(steps):
-        loss = _loss(layer, calls[order.randrange(len(calls))], device)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        curve.append(loss.item())
+    curve = [fit_step(layer, opt, calls[order.randrange(len(calls))], device) for _ in range(steps)]
     return layer, LayerFit("", before, _relative_error(layer, calls, device), curve)
 
 

@@ -114,6 +114,9 @@ def main(argv=None):
         pipe.vae.to(device)
         if family.text:
             pipe.text_encoder.to(device, dtype=weight_dtype)
+    guided = cfg.distill_guidance_scale != 1
+    uncond = (conditioning.unconditional(pipe, transformer, family, cfg.max_sequence_length, device)
+              if cfg.uncond_prob or guided else None)
     for other in model.other_experts(pipe, cfg) if cfg.validation_steps else []:  # frozen; validation samples with it
         other.requires_grad_(False).to(device, dtype=weight_dtype)
 
@@ -152,12 +155,20 @@ def main(argv=None):
             batch.update(conditioning.encode_batch(batch, pipe, family.text, cfg.max_sequence_length, device))
         x0 = conditioning.draw_latents(batch["latents_mean"], batch.get("latents_std"))
         noisy = objective.noisy(x0)
-        inputs = family.transformer_inputs(accelerator.unwrap_model(transformer), noisy.model_input, noisy.timestep, batch)
+        if cfg.uncond_prob:  # guidance's unconditional branch, for the same samples in teacher and student
+            batch = conditioning.drop_conditioning(batch, uncond, torch.rand(len(x0), device=device) < cfg.uncond_prob)
+        unwrapped = accelerator.unwrap_model(transformer)
+        inputs = family.transformer_inputs(unwrapped, noisy.model_input, noisy.timestep, batch)
         out = objectives.model_output(transformer(**inputs, return_dict=False))
         losses = {"diffusion": objective.loss(out, noisy)}
         if teacher is not None:
+            uncond_inputs = None
+            if guided:
+                everyone = torch.ones(len(x0), dtype=torch.bool, device=device)
+                uncond_inputs = family.transformer_inputs(unwrapped, noisy.model_input, noisy.timestep,
+                                                          conditioning.drop_conditioning(batch, uncond, everyone))
             with torch.no_grad(), accelerator.autocast():
-                teacher_out = objectives.model_output(teacher(**inputs, return_dict=False))
+                teacher_out = distill.teacher_prediction(teacher, inputs, uncond_inputs, cfg.distill_guidance_scale)
             losses.update(distill.distill_loss(out, teacher_out, *(taps or (None, None)), cfg.distill_output, cfg.distill_layers))
         return losses
 

@@ -70,6 +70,13 @@ def test_unknown_keys_are_named(tmp_path):
         parse_overrides(["--train_mode", "--pretrained", "x"])
     with pytest.raises(ValueError, match="resume continues the run in output_dir and overwrite_output_dir deletes it"):
         load_config(None, parse_overrides(["--pretrained", "x", "--resume", "latest", "--overwrite_output_dir"]))
+    guidance = {"pretrained": "x", "distill_output": "1.0"}
+    for bad, message in [({"uncond_prob": "1.5"}, r"uncond_prob is the fraction .*give a value in \[0, 1\], got 1.5"),
+                         ({"distill_guidance_scale": "0.5"}, r"distill_guidance_scale must be >= 1 \(1: the teacher's unguided"),
+                         ({"distill_guidance_scale": "3", "distill_output": "0"}, "set distill_output > 0, or distill_guidance_scale 1"),
+                         ({"distill_guidance_scale": "3", "validation_steps": "10"}, "samples at guidance 1: set validation_guidance_scale 1")]:
+        with pytest.raises(ValueError, match=message):
+            load_config(None, {**guidance, **bad})
 
 
 def test_bad_yaml_is_a_one_line_value_error(tmp_path):
@@ -247,3 +254,30 @@ def test_save_trained_writes_the_given_state_dict_into_the_pipeline(tmp_path):
     model.save_trained(tmp_path / "final", pipe.transformer, gathered, pipe)
     saved = md.from_pretrained(tmp_path / "final").transformer.state_dict()
     assert all(torch.equal(saved[k], gathered[k]) for k in gathered)
+
+def test_gpu_check_tiny_runs_every_variant(capsys):
+    """The GPU check's code paths (data step, teacher-only distillation, attention transfer's pieces) on a CPU."""
+    gpu_check = recipe("gpu_check")
+    rows = gpu_check.main(["--preset", "tiny", "--steps", "1", "--warmup", "0", "--variants", ",".join(gpu_check.VARIANTS)])
+    assert [r["variant"] for r in rows] == list(gpu_check.VARIANTS)
+    assert all(r["step_s"] > 0 and np.isfinite(r["loss"]) for r in rows)
+    assert "transfer at its defaults" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--preset", "tiny", "--variants", "mhla,teacher_only"])
+
+
+def test_attention_tap_keeps_the_forward_outputs_under_gradient_checkpointing():
+    """The backward's recomputation (gradient checkpointing) must not replace what the tap kept: those outputs
+    would hold every block's recomputed activations until the next step."""
+    from mhla_diffusion.conversion import converted_indices
+    from mhla_diffusion.families import family_of
+    from mhla_diffusion.training import distill
+
+    transformer = zoo.build_transformer("wan")
+    convert(transformer, default_config(transformer, blocks=(1, 2, 2)))
+    tap = distill.AttentionTap(transformer, converted_indices(transformer))
+    transformer.train().enable_gradient_checkpointing()
+    out = transformer(**family_of(transformer).example_inputs(transformer, (16, 3, 8, 8)), return_dict=False)[0]
+    kept = dict(tap.outputs)
+    (out.square().mean() + sum(t.square().mean() for t in kept.values())).backward()
+    assert tap.outputs.keys() == kept.keys() and all(tap.outputs[i] is kept[i] for i in kept)

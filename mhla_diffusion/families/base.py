@@ -151,6 +151,19 @@ class Family:
             return {"prompt_embeds": torch.randn(batch, text_tokens, self.text_width(transformer.config), generator=generator)}
         return {"class_label": torch.arange(1, 2 * batch, 2) % transformer.config.num_embeds_ada_norm}
 
+    # --- classifier-free guidance ---
+    def unconditional(self, transformer, encode) -> dict:
+        """One sample's conditioning in the unconditional branch of the pipeline's classifier-free guidance, as
+        the batch dict `transformer_inputs` reads; `encode(prompts)`: (embeddings, mask) as training encodes
+        prompts. Text families: the empty prompt, the pipelines' default negative prompt."""
+        embeds, mask = encode([""])
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def stop_conditioning_dropout(self, transformer) -> None:
+        """Stop the model from dropping its conditioning inside its forward in train mode (the text families'
+        diffusers models do not): the recipe chooses the unconditional samples itself, once per sample and the
+        same for teacher and student."""
+
     # --- sampling ---
     def call_kwargs(self, pipe, indices: list[int], settings) -> dict:
         """The pipeline's conditioning and size arguments for samples `indices` (a SamplingSettings)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..processors import MHLAAttnProcessor
 from .base import Family, RealModel
 
@@ -11,6 +13,21 @@ DIT_NULL_CLASS = 1000  # DiTPipeline's classifier-free guidance uses class id 10
 class DiT(Family):
     def transformer_inputs(self, transformer, latents, timestep, batch: dict) -> dict:
         return {"hidden_states": latents, "timestep": timestep, "class_labels": batch["class_label"]}
+
+    def unconditional(self, transformer, encode) -> dict:
+        """The null class: the row diffusers' label embedding adds after the classes (id = number of classes),
+        which DiTPipeline's guidance uses (as id 1000, ImageNet's class count)."""
+        return {"class_label": torch.tensor([transformer.config.num_embeds_ada_norm])}
+
+    def stop_conditioning_dropout(self, transformer) -> None:
+        """diffusers' DiT drops labels to the null class (at 0.1) inside its forward in train mode, independently
+        in every block's label embedding and the output's: a sample would see its class in some blocks and the
+        null class in others, and a teacher in eval mode never."""
+        from diffusers.models.embeddings import LabelEmbedding
+
+        for m in transformer.modules():
+            if isinstance(m, LabelEmbedding):
+                m.dropout_prob = 0.0  # its null-class row stays: the embedding table was sized at init
 
     def call_kwargs(self, pipe, indices: list[int], settings) -> dict:
         num_classes = pipe.transformer.config.num_embeds_ada_norm

@@ -57,6 +57,30 @@ def encode_text(pipe, captions: list[str], max_sequence_length: int, device) -> 
     return embeds.float(), mask
 
 
+def unconditional(pipe, transformer, family, max_sequence_length: int, device) -> dict:
+    """The input of the unconditional branch of classifier-free guidance (`family.unconditional`) on `device`;
+    the text families' empty prompt is encoded once, by the pipeline's text encoder where it is."""
+    def encode(prompts):
+        if pipe is None:
+            raise ValueError("a bare transformer has no text encoder for the empty prompt of classifier-free guidance: "
+                             "give its pipeline as pretrained, or set uncond_prob 0 and distill_guidance_scale 1")
+        return encode_text(pipe, prompts, max_sequence_length, pipe.text_encoder.device)
+
+    return {k: v.to(device) for k, v in family.unconditional(transformer, encode).items()}
+
+
+def drop_conditioning(batch: dict, uncond: dict, drop: torch.Tensor) -> dict:
+    """`batch` with the conditioning of the samples where `drop` ((B,) bool) is true replaced by `uncond`
+    (one sample's, from `unconditional`): what teacher and student both get."""
+    out = dict(batch)
+    for key, value in uncond.items():
+        if value.shape[1:] != batch[key].shape[1:]:
+            raise ValueError(f"the unconditional {key} has shape {list(value.shape[1:])} but the batch's has "
+                             f"{list(batch[key].shape[1:])}: set max_sequence_length to the one the latent cache was made with")
+        out[key] = torch.where(drop.view(-1, *[1] * (value.ndim - 1)), value.to(batch[key].dtype), batch[key])
+    return out
+
+
 def vae_factors(vae) -> tuple[int, int]:
     """(temporal, spatial) compression of a VAE."""
     cfg = vae.config

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..families import self_attentions
+from .objectives import model_output
 
 
 def build_teacher(transformer, shared_ids: set[int], dtype=None):
@@ -29,8 +30,25 @@ def build_teacher(transformer, shared_ids: set[int], dtype=None):
     return teacher.eval()
 
 
+def teacher_prediction(teacher, inputs: dict, uncond_inputs: dict | None = None, scale: float = 1.0) -> torch.Tensor:
+    """The distillation target: the teacher's prediction at the student's `inputs`, or, given the unconditional
+    inputs, guided as the pipelines guide: uncond + scale * (cond - uncond) on the predicted channels (those of
+    the input; a learned variance beyond them stays the conditional one, which the pipelines discard). The
+    unconditional pass runs first, so an AttentionTap on the teacher keeps the pass the student also ran."""
+    if uncond_inputs is None:
+        return model_output(teacher(**inputs, return_dict=False))
+    uncond = model_output(teacher(**uncond_inputs, return_dict=False))
+    cond = model_output(teacher(**inputs, return_dict=False))
+    c = inputs["hidden_states"].shape[1]
+    return torch.cat([uncond[:, :c] + scale * (cond[:, :c] - uncond[:, :c]), cond[:, c:]], dim=1)
+
+
 class AttentionTap:
-    """Keeps the latest output of each listed self-attention layer (forward hooks on `attn1`)."""
+    """Keeps the latest output of each listed self-attention layer (forward hooks on `attn1`) in a forward pass.
+
+    Not in the backward: gradient checkpointing runs each block's forward again there, and keeping those
+    outputs would keep every block's recomputed activations alive to the end of the backward (60 GiB more
+    for Wan2.1-1.3B at 480p x 81)."""
 
     def __init__(self, transformer, layers: list[int]):
         self.outputs: dict[int, torch.Tensor] = {}
@@ -39,7 +57,8 @@ class AttentionTap:
 
     def _keep(self, i):
         def hook(module, args, output):
-            self.outputs[i] = output[0] if isinstance(output, tuple) else output
+            if torch._C._current_graph_task_id() == -1:  # -1: no backward running (what torch's checkpoint asks too)
+                self.outputs[i] = output[0] if isinstance(output, tuple) else output
         return hook
 
 

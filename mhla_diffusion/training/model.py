@@ -27,7 +27,8 @@ ATTN_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def load_model(config):
-    """(pipeline or None, transformer, its Family) from `config.pretrained`, unconverted."""
+    """(pipeline or None, transformer, its Family) from `config.pretrained`, unconverted, with the model's own
+    conditioning dropout off (`conditioning.drop_conditioning` chooses the unconditional samples instead)."""
     src = config.pretrained
     converted = persistence.converted_components(src) if Path(src).exists() else {}
     if "" in converted or config.component in converted:  # another expert converted before (Wan2.2) is fine
@@ -42,6 +43,7 @@ def load_model(config):
         raise ValueError(f"{src} has no {config.component!r} (its components: {', '.join(pipe.components)})")
     family = family_of(transformer)
     check_family(config, family, src)
+    family.stop_conditioning_dropout(transformer)
     return pipe, transformer, family
 
 

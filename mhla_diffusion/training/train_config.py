@@ -41,9 +41,11 @@ class TrainConfig:
     flow_shift: float = 3.0  # flow matching: timestep shift (Wan and SANA use 3)
     logit_mean: float = 0.0  # flow matching: mean of the logit-normal timestep density
     logit_std: float = 1.0  # flow matching: std of the logit-normal timestep density
+    uncond_prob: float = 0.1  # fraction of samples given guidance's unconditional input (DiT: null class; text: empty prompt), teacher and student alike; 0.1 is DiT's own label dropout; 0: off
     # distillation from the unconverted model (weights of the loss terms; 0 = off)
     distill_output: float = 0.0  # the student's prediction against the teacher's at the same input
     distill_layers: float = 0.0  # each converted layer's output against the teacher's softmax layer
+    distill_guidance_scale: float = 1.0  # s > 1: distill_output's target is the teacher guided, uncond + s (cond - uncond) (one more teacher forward); the student then samples at guidance 1
     # data
     data_dir: str = ""  # image or video folder with captions, or a latent cache (recipes/precompute.py)
     data_type: str = "auto"  # auto | images | videos | latents
@@ -101,6 +103,15 @@ class TrainConfig:
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_steps", "checkpointing_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.uncond_prob <= 1:
+            raise ValueError(f"uncond_prob is the fraction of samples trained unconditional: give a value in [0, 1], got {self.uncond_prob}")
+        if self.distill_guidance_scale < 1:
+            raise ValueError(f"distill_guidance_scale must be >= 1 (1: the teacher's unguided prediction), got {self.distill_guidance_scale}")
+        if self.distill_guidance_scale != 1 and not self.distill_output:
+            raise ValueError("distill_guidance_scale guides distill_output's target: set distill_output > 0, or distill_guidance_scale 1")
+        if self.distill_guidance_scale != 1 and self.validation_steps and self.validation_guidance_scale != 1:
+            raise ValueError(f"a student distilled from the guided teacher (distill_guidance_scale {self.distill_guidance_scale}) "
+                             "samples at guidance 1: set validation_guidance_scale 1")
         if self.context_parallel < 0:
             raise ValueError(f"context_parallel must be >= 0 (0 = off), got {self.context_parallel}")
         if self.resume and self.overwrite_output_dir:
@@ -230,7 +241,8 @@ def save_config(config: TrainConfig, path) -> None:
 # Keys that must agree between a run and the checkpoint it resumes (anything else, such as
 # max_steps or logging, may change on resume).
 RESUME_KEYS = ("pretrained", "component", "mhla_blocks", "mhla_layers", "mhla_options", "train_mode", "train_qkv",
-               "lora_rank", "lora_alpha", "objective", "distill_output", "distill_layers", "ema_decay",
+               "lora_rank", "lora_alpha", "objective", "uncond_prob", "distill_output", "distill_layers",
+               "distill_guidance_scale", "ema_decay",
                "train_batch_size", "gradient_accumulation_steps", "data_dir", "resolution", "num_frames")
 
 
