@@ -148,7 +148,8 @@ def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_
     out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed")
     torch.testing.assert_close(out, dense_mhla(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed"))
     with pytest.raises(ValueError, match="not 'cubed'"):
-        op.mhla_dense(q.float(), k.float(), v.float(), mix.float(), None, None, [1, 3, 4, 1, 2, 2], True, 1e-6, "cubed")
+        op.mhla_dense(q.float(), k.float(), v.float(), mix.float(), None, None, [1, 3, 4, 1, 2, 2, 0], True, 1e-6,
+                      "cubed")
 
 
 def test_unknown_backend_is_rejected():
@@ -206,11 +207,11 @@ def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     seen = {}
 
-    def fake_fwd(q, k, v, mix, cos, sin, *options):
+    def fake_linear(q, k, v, mix, cos, sin, *args):
         seen.update(cos=cos.dtype, sin=sin.dtype)
-        return (torch.zeros_like(v),)
+        return torch.zeros_like(v)
 
-    monkeypatch.setattr(op, "mhla_fwd", fake_fwd)
+    monkeypatch.setattr(op, "mhla_linear", fake_linear)
     q = torch.randn(1, 512, 2, 8).to(dtype)  # above DENSE_MAX_TOKENS: the linear path
     angle = torch.rand(1, 512, 1, 8)
     op.mhla_attention_triton(q, q, q, locality_mix((1, 2, 2)).float(), block_geometry((1, 16, 32), (1, 2, 2)),

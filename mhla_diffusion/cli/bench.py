@@ -241,7 +241,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
     if n <= op.DENSE_MAX_TOKENS and (not impls or "mhla" in impls):
         # no-grad forwards here take the dense kernel: time the linear path beside it
         def linear(q, k, v, mix):
-            return op.mhla_fwd(q, k, v, mix, None, None, *op.op_args(geometry, MHLAOptions()))[0]
+            return op.mhla_linear(q, k, v, mix, None, None, op.op_args(geometry, MHLAOptions()))
 
         row["linear_graph_fwd_ms"] = _time_op(do_bench_cudagraph, linear, leaves, do, False)
     if profile:
