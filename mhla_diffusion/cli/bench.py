@@ -258,9 +258,9 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
     return row
 
 
-def shard_rows(shape: Shape, dtype: torch.dtype, batch: int, worlds) -> list[dict]:
+def shard_rows(shape: Shape, dtype: torch.dtype, batch: int, worlds):
     """GPU times (`time_impl`) of MHLA on one rank's token slice, for every rank of P = 1 and each P in `worlds`,
-    plain and (Wan shapes) as Wan uses it: a one-GPU stand-in for a context-parallel run.
+    plain and (Wan shapes) as Wan uses it: a one-GPU stand-in for a context-parallel run. Yields a row per rank.
 
     Timed: what `op.mhla_attention_triton(..., start=start)` runs on the rank's slice [start, end) of the tokens:
     the summary kernel on its keys (fp32 partial summaries of all M blocks, rounded after), mixing of all M
@@ -282,7 +282,6 @@ def shard_rows(shape: Shape, dtype: torch.dtype, batch: int, worlds) -> list[dic
     variants = {"mhla": (None, MHLAOptions())}
     if shape.as_used:
         variants["mhla_used"] = ((angles.cos(), angles.sin()), MHLAOptions(normalize=False))
-    rows = []
     for world in sorted({1, *worlds}):
         for rank in range(world):
             start, end = token_range(n, world, rank)
@@ -298,13 +297,13 @@ def shard_rows(shape: Shape, dtype: torch.dtype, batch: int, worlds) -> list[dic
 
                 row["times"][name] = {key: time_impl(fn, leaves, do[:, start:end], backward, graph=True)
                                       for backward, key in ((False, "fwd"), (True, "fwdbwd"))}
-            rows.append(row)
             torch.cuda.empty_cache()
-    return rows
+            yield row
 
 
 def _shard_table(rows: list[dict], device: str, dtype: str, batch: int) -> str:
-    cols = [(name, key) for name in ("mhla", "mhla_used") for key in ("fwd", "fwdbwd") if name in rows[0]["times"]]
+    cols = [(name, key) for name in ("mhla", "mhla_used") for key in ("fwd", "fwdbwd")
+            if any(name in r["times"] for r in rows)]
     head = ["shape", "P", "rank", "tokens", "blocks launched", "longest"] + [
         f"{IMPLS[name][0]} {'fwd' if key == 'fwd' else 'f+b'}" for name, key in cols]
     lines = [f"{device}, {dtype}, B = {batch}: one rank's token slice of a context-parallel run, timed on this one GPU "
@@ -314,11 +313,14 @@ def _shard_table(rows: list[dict], device: str, dtype: str, batch: int) -> str:
     for r in rows:
         lines.append(f"| {r['shape']} | {r['P']} | {r['rank']} | [{r['start']:,}, {r['end']:,}) | "
                      f"{r['blocks_launched']} of {r['M']} | {r['longest']} | "
-                     + " | ".join(_cell(r["times"][name][key]) for name, key in cols) + " |")
+                     + " | ".join(_cell(r["times"].get(name, {}).get(key)) for name, key in cols) + " |")
         if r["P"] > 1 and r["rank"] == r["P"] - 1:
             same = [x for x in rows if x["shape"] == r["shape"]]
             cells = []
             for name, key in cols:
+                if name not in r["times"]:
+                    cells.append("-")
+                    continue
                 whole = next(x for x in same if x["P"] == 1)["times"][name][key]["ms"]
                 slowest = max(x["times"][name][key]["ms"] for x in same if x["P"] == r["P"])
                 cells.append(f"{slowest:.3f} ({whole / r['P'] / slowest:.2f})")
@@ -375,7 +377,8 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
 def _progress(row: dict) -> str:
     cells = [f"{n} {key} {_cell(t)} (queued {t.get('queued_ms', math.nan):.3f}, eager {t.get('eager_ms', math.nan):.3f})"
              for n, ts in row["times"].items() for key, t in ts.items()]
-    return f"[{row['shape']}] " + ", ".join(cells)
+    where = f", P = {row['P']}, rank {row['rank']}" if "P" in row else ""
+    return f"[{row['shape']}{where}] " + ", ".join(cells)
 
 
 def _check_table(results: list[dict]) -> str:
@@ -403,7 +406,12 @@ def run_op(args: argparse.Namespace) -> int:
             print(_check_table(report["check"]), end="\n\n", flush=True)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
     if args.shard:
-        report["shard_rows"] = [row for s in shapes for row in shard_rows(s, dtype, args.batch, args.shard)]
+        report["shard_rows"] = []
+        for s in shapes:
+            for row in shard_rows(s, dtype, args.batch, args.shard):
+                report["shard_rows"].append(row)
+                if not args.json:  # as it finishes, as for the shapes below
+                    print(_progress(row), flush=True)
         print(json.dumps(report, indent=1) if args.json else
               _shard_table(report["shard_rows"], report["device"], args.dtype, args.batch))
         return _check_failures(report)
