@@ -63,8 +63,9 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def _all_reduce_sum(parts, group):
-    """Tensors summed over the group's ranks, in one (differentiable) all-reduce of their promoted dtype."""
-    flat = _AllReduceSum.apply(torch.cat([p.flatten() for p in parts]), group)
+    """Tensors summed over the group's ranks, in one (differentiable) all-reduce of their promoted dtype; a single
+    tensor is not concatenated (a copy of all B * heads * M * D * Dv summaries, on top of the all-reduce's own)."""
+    flat = _AllReduceSum.apply(torch.cat([p.flatten() for p in parts]) if len(parts) > 1 else parts[0].flatten(), group)
     return [x.view_as(p) for x, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
 
