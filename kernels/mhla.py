@@ -1,7 +1,9 @@
 """Triton kernels for MHLA (docs/MHLA.md, section 1) on (B, N, heads, D) raster-layout tensors.
 
 Three token kernels, each reading the tokens of one block straight from the raster layout (block
-bounds and raster indices are computed in the kernel; nothing is permuted or copied):
+bounds and raster indices are computed in the kernel; nothing is permuted or copied). A call may hold
+a slice [start, start + N) of the raster order only (a context-parallel rank's, `Geometry`): the kernels
+then walk each block's tokens inside the slice, and summaries of the blocks it misses are zero.
 
 - `_summary_kernel`: S_b = sum_j rope(phi(x_j))^T (y_j * ys_j), z_b = sum_j phi(x_j) * zw_j.
   Forward: x = k, y = v. Backward: x = q, y = dO, ys = 1/den, zw = c gives dS~, dz~.
@@ -66,9 +68,23 @@ def _swap_pairs(x, BN: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW):
-    """Block m's start (t0, h0, w0) and row extents (lh, lw), from floor(i*L/n) bounds per axis,
-    and the slice [r0, r1) of its tokens (raster order inside the block) that program pid_s covers."""
+def _ranks_before(n, t0, h0, w0, lt, lh, lw, H, W):
+    """How many tokens of the block at (t0, h0, w0) of extents (lt, lh, lw) come before raster token n
+    (raster order is lexicographic in (t, h, w): whole frames, then whole rows of n's frame, then columns)."""
+    t, h, w = n // (H * W), (n // W) % H, n % W
+    in_t = (t >= t0) & (t < t0 + lt)
+    in_h = in_t & (h >= h0) & (h < h0 + lh)
+    return (tl.minimum(tl.maximum(t - t0, 0), lt) * lh * lw
+            + tl.where(in_t, tl.minimum(tl.maximum(h - h0, 0), lh) * lw, 0)
+            + tl.where(in_h, tl.minimum(tl.maximum(w - w0, 0), lw), 0))
+
+
+@triton.jit
+def _block_tokens(pid_m, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0):
+    """Block m = M0 + pid_m: its start (t0, h0, w0) and row extents (lh, lw), from floor(i*L/n) bounds per axis,
+    and the ranks [r0, r1) (raster order inside the block) that program pid_s covers of the block's tokens in the
+    call's raster slice [START, START + N) (context parallel; the whole grid is [0, T*H*W))."""
+    m = M0 + pid_m
     it = m // (NBH * NBW)
     ih = (m // NBW) % NBH
     iw = m % NBW
@@ -78,8 +94,9 @@ def _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW):
     lt = (it + 1) * T // NBT - t0
     lh = (ih + 1) * H // NBH - h0
     lw = (iw + 1) * W // NBW - w0
-    r0 = pid_s * TOK
-    return t0, h0, w0, lh, lw, r0, tl.minimum(r0 + TOK, lt * lh * lw)
+    r0 = _ranks_before(START, t0, h0, w0, lt, lh, lw, H, W) + pid_s * TOK
+    r1 = tl.minimum(r0 + TOK, _ranks_before(START + N, t0, h0, w0, lt, lh, lw, H, W))
+    return m, t0, h0, w0, lh, lw, r0, r1
 
 
 @triton.jit
@@ -89,8 +106,8 @@ def _head(ptr, b, h, sb, sh):
 
 
 @triton.jit
-def _raster(r, t0, h0, w0, lh, lw, H, W):
-    """Raster token index of the r-th token (raster order) inside a block.
+def _raster(r, t0, h0, w0, lh, lw, H, W, START):
+    """Row of the r-th token (raster order) inside a block in the call's tensors: its raster index less START.
 
     The two divisions by run-time extents are done in fp32 with the row's +0.5 offset (exact for
     r < `capabilities.MAX_BLOCK_TOKENS`, which the dispatch checks): integer division by a run-time divisor costs ~20
@@ -101,7 +118,7 @@ def _raster(r, t0, h0, w0, lh, lw, H, W):
     rem = r - t * lhw
     h = ((rem.to(tl.float32) + 0.5) * (1.0 / lw.to(tl.float32))).to(tl.int32)
     w = rem - h * lw
-    return (((t0 + t) * H + h0 + h) * W + w0 + w).to(tl.int64)
+    return (((t0 + t) * H + h0 + h) * W + w0 + w - START).to(tl.int64)
 
 
 @triton.jit
@@ -174,18 +191,18 @@ def _rope_t(g, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BN: tl.constexp
 def _summary_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, ys_ptr, zw_ptr, s_ptr, z_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd,
-    heads, N, M, T, H, W, NBT, NBH, NBW, D, DV, TOK,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D, DV, TOK,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
     WITH_Z: tl.constexpr, ATOMIC: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m = pid_t // (D_TILES * DV_TILES)
     dt = (pid_t // DV_TILES) % D_TILES
     vt = pid_t % DV_TILES
     b, h = bh // heads, bh % heads
-    t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
+    m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_t // (D_TILES * DV_TILES), pid_s, TOK, N, T, H, W, NBT, NBH,
+                                                  NBW, START, M0)
     x_ptr = _head(x_ptr, b, h, sxb, sxh)
     y_ptr = _head(y_ptr, b, h, syb, syh)
     cos_ptr = _head(cos_ptr, b, h, scb, sch)
@@ -198,7 +215,7 @@ def _summary_kernel(
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
-        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
+        n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
         y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
         if SCALE_Y:
@@ -211,8 +228,9 @@ def _summary_kernel(
                 zacc += fx  # zero outside the block's tokens already
     base = _state_row(m, bh)
     s_off = (base * D + d[:, None]) * DV + e[None, :]
-    s_mask = mask_d[:, None] & mask_e[None, :] & (r0 < r1)
-    z_mask = mask_d & (r0 < r1) & (vt == 0)
+    written = (r0 < r1) | (pid_s == 0)  # a block's first program also stores the zeros of a block the slice misses
+    s_mask = mask_d[:, None] & mask_e[None, :] & written
+    z_mask = mask_d & written & (vt == 0)
     zacc = tl.sum(zacc, axis=0)
     if ATOMIC:
         tl.atomic_add(s_ptr + s_off, acc, mask=s_mask)
@@ -228,14 +246,14 @@ def _summary_kernel(
 def _output_kernel(
     q_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr,
     sqb, sqn, sqh, scb, scn, sch, scd, sob, son, soh,
-    heads, M, T, H, W, NBT, NBH, NBW, D, DV, TOK, eps,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D, DV, TOK, eps,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m, vt = pid_t // DV_TILES, pid_t % DV_TILES
+    vt = pid_t % DV_TILES
     b, h = bh // heads, bh % heads
-    t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
+    m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_t // DV_TILES, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0)
     q_ptr = _head(q_ptr, b, h, sqb, sqh)
     o_ptr = _head(o_ptr, b, h, sob, soh)
     cos_ptr = _head(cos_ptr, b, h, scb, sch)
@@ -250,7 +268,7 @@ def _output_kernel(
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
-        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
+        n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
         out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
         if NORMALIZE:
@@ -263,14 +281,14 @@ def _output_kernel(
 def _grad_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
-    heads, N, M, T, H, W, NBT, NBH, NBW, D, DV, TOK, eps,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D, DV, TOK, eps,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr, WITH_DY: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    bh, m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
-    t0, h0, w0, lh, lw, r0, r1 = _block_tokens(m, pid_s, TOK, T, H, W, NBT, NBH, NBW)
+    m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_m, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0)
     x_ptr = _head(x_ptr, b, h, sxb, sxh)
     y_ptr = _head(y_ptr, b, h, syb, syh)
     dx_ptr = _head(dx_ptr, b, h, sdxb, sdxh)
@@ -287,7 +305,7 @@ def _grad_kernel(
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
-        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
+        n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
         p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         for j in tl.static_range(DV_TILES):
@@ -396,16 +414,24 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 
 class Geometry:
-    """Integer arguments shared by all kernels of one call: the tensors' sizes over the call's block geometry."""
+    """Integer arguments shared by all kernels of one call: the tensors' sizes over the call's block geometry.
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, blocks: BlockGeometry):
+    The call's tensors hold raster tokens [start, start + N) of the grid (a context-parallel rank's slice; the
+    whole grid is start 0). The token kernels launch over blocks [m0, m0 + m_count), the id range of the
+    blocks the slice touches, for as many tokens as the slice has in its fullest block (`max_len`); summaries
+    keep all M blocks, so that ranks can sum them.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, blocks: BlockGeometry, start: int = 0):
         self.B, self.N, self.heads, self.D = x.shape
         self.DV = y.shape[-1]
         self.grid, self.blocks = blocks.grid, blocks.blocks
         self.M = blocks.num_blocks
         self.BH = self.B * self.heads
-        self.max_len = blocks.max_len
+        self.partial = self.N < blocks.num_tokens
+        self.m0, self.m_count, self.max_len = blocks.slice_blocks(start, start + self.N)
         self.args = (*self.grid, *self.blocks)
+        self.slice_args = (start, self.m0)
 
 
 def _pow2(n: int) -> int:
@@ -491,26 +517,36 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None):
-    """(S, z), block-major: S[m, bh] = sum rope(phi(x))^T (y * y_scale) in `state_dtype`, and
-    z[m, bh] = sum phi(x) * z_weight in fp32. Programs that split a block add into fp32 with atomics;
-    S is rounded once after."""
+def _summary_buffer(shape, dtype, g: Geometry, device, zeros: bool) -> torch.Tensor:
+    """Summaries of all M blocks, zero where no program stores: everywhere with `zeros` (programs add into it, or
+    it stays a placeholder), else the blocks outside the launched range."""
+    if zeros:
+        return torch.zeros(shape, device=device, dtype=dtype)
+    buf = torch.empty(shape, device=device, dtype=dtype)
+    buf[:g.m0].zero_()
+    buf[g.m0 + g.m_count:].zero_()
+    return buf
+
+
+def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None, dtype=None):
+    """(S, z), block-major: S[m, bh] = sum rope(phi(x))^T (y * y_scale) in `dtype` (default `state_dtype`), and
+    z[m, bh] = sum phi(x) * z_weight in fp32, over the call's tokens (zero for blocks its slice misses).
+    Programs that split a block add into fp32 with atomics; S is rounded once after."""
     block_d = min(_pow2(g.D), MAX_TILE)
     cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
     block_dv = min(_pow2(g.DV), cfg["max_dv"])
     d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
-    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * d_tiles * dv_tiles, cfg["programs"])
+    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count * d_tiles * dv_tiles, cfg["programs"])
     splits = triton.cdiv(g.max_len, tok)
-    state = state_dtype(x.dtype)
-    alloc = torch.zeros if splits > 1 else torch.empty
-    s = alloc((g.M, g.BH, g.D, g.DV), device=x.device, dtype=torch.float32 if splits > 1 else state)
-    z = (alloc if with_z else torch.zeros)((g.M, g.BH, g.D), device=x.device, dtype=torch.float32)
+    state = dtype or state_dtype(x.dtype)
+    s = _summary_buffer((g.M, g.BH, g.D, g.DV), torch.float32 if splits > 1 else state, g, x.device, splits > 1)
+    z = _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, splits > 1 or not with_z)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    _summary_kernel[(g.BH, g.M * d_tiles * dv_tiles, splits)](
+    _summary_kernel[(g.BH, g.m_count * d_tiles * dv_tiles, splits)](
         x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, s, z,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
-        g.heads, g.N, g.M, *g.args, g.D, g.DV, tok,
+        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, D_TILES=d_tiles, DV_TILES=dv_tiles,
         ELU=elu, ROPE=rope is not None, SCALE_Y=y_scale is not None, WEIGHT_Z=z_weight is not None,
         WITH_Z=with_z, ATOMIC=splits > 1, DOT=dot, PRECISION=precision,
@@ -530,14 +566,14 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
     """o = rope(phi(q)) S~_b [/ (phi(q) . z~_b + eps)], written in raster order."""
     block_d, block_dv, dv_tiles = _full_d_tiles(g)
     cfg = _config("output", q.dtype, block_d, g.max_len, rope is not None)
-    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M * dv_tiles, cfg["programs"])
+    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count * dv_tiles, cfg["programs"])
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
     dot, precision = _dot_types(q.dtype)
-    _output_kernel[(g.BH, g.M * dv_tiles, triton.cdiv(g.max_len, tok))](
+    _output_kernel[(g.BH, g.m_count * dv_tiles, triton.cdiv(g.max_len, tok))](
         q, cos, sin, mixed_s, mixed_z, o,
         q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
-        g.heads, g.M, *g.args, g.D, g.DV, tok, eps,
+        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
         ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
         **_launch(cfg),
@@ -573,18 +609,18 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
     """
     block_d, block_dv, dv_tiles = _full_d_tiles(g)
     cfg = _config("grad", x.dtype, block_d, g.max_len, rope is not None)
-    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.M, cfg["programs"])
+    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count, cfg["programs"])
     dx = torch.empty((g.B, g.N, g.heads, g.D), device=x.device, dtype=x.dtype)
     dy = torch.empty((g.B, g.N, g.heads, g.DV), device=x.device, dtype=y.dtype) if with_dy else dx
     rden = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
     c = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    _grad_kernel[(g.BH, g.M, triton.cdiv(g.max_len, tok))](
+    _grad_kernel[(g.BH, g.m_count, triton.cdiv(g.max_len, tok))](
         x, y, cos, sin, mat, vec, dx, dy, rden, c,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
         dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-        g.heads, g.N, g.M, *g.args, g.D, g.DV, tok, eps,
+        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
         ELU=elu, ROPE=rope is not None, STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy,
         DOT=dot, PRECISION=precision, **_launch(cfg),
@@ -639,16 +675,27 @@ def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
 # ----------------------------------------------------------------------------- forward / backward
 
 
-def mhla_forward(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
-    """Output and the per-block state (S, z) the backward needs."""
-    s, z = block_summaries(k, v, rope, g, elu=elu, with_z=normalize)  # unnormalized: z stays zeros, unmixed
-    o = block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype) if normalize else z, rope, g,
-                     elu=elu, normalize=normalize, eps=eps, out_dtype=v.dtype)
-    return o, s, z
+def summary_forward(k, v, rope, g: Geometry, *, elu: bool, normalize: bool):
+    """The summaries (S, z) of the call's keys. A slice short of the grid keeps S in fp32: its partial sums are
+    summed over ranks before they are rounded to `state_dtype`."""
+    return block_summaries(k, v, rope, g, elu=elu, with_z=normalize,  # unnormalized: z stays zeros, unmixed
+                           dtype=torch.float32 if g.partial else None)
 
 
-def mhla_backward(do, q, k, v, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
-    """Gradients (dq, dk, dv, dmix) from the inputs and the saved per-block state."""
+def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
+    """dk, dv from the gradients of the summaries (complete: summed over ranks, for a slice)."""
+    dk, dv, _, _ = block_grad(k, v, ds, dz, rope, g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
+    return dk, dv
+
+
+def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
+    """The output of the call's queries from the complete summaries (S in `state_dtype`)."""
+    return block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype) if normalize else z, rope, g,
+                        elu=elu, normalize=normalize, eps=eps, out_dtype=q.dtype)
+
+
+def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
+    """dq, dmix and the gradients (dS, dz) of the summaries; for a slice, dmix, dS and dz are its queries' share."""
     # unnormalized: z (zeros) and dz~ only stand in for the kernels' unused normalizer vectors, and are not mixed
     mixed_s, mixed_z = mix_blocks(mix, s, q.dtype), (mix_blocks(mix, z, q.dtype) if normalize else z)
     dq, _, rden, c = block_grad(q, do, mixed_s, mixed_z, rope, g, elu=elu, stats=normalize, use_vec=normalize,
@@ -659,6 +706,4 @@ def mhla_backward(do, q, k, v, mix, s, z, rope, g: Geometry, *, elu: bool, norma
         dmix += block_gram(dz_mixed, z, q.dtype)
     mix_t = mix.t()
     dz = mix_blocks(mix_t, dz_mixed, q.dtype) if normalize else dz_mixed
-    dk, dv, _, _ = block_grad(k, v, mix_blocks(mix_t, ds_mixed, q.dtype), dz, rope,
-                              g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
-    return dq, dk, dv, dmix.to(mix.dtype)
+    return dq, dmix.to(mix.dtype), mix_blocks(mix_t, ds_mixed, q.dtype), dz

@@ -1,13 +1,17 @@
-"""The Triton MHLA path as torch custom ops, so autograd and torch.compile see one opaque node.
+"""The Triton MHLA path as torch custom ops, so autograd and torch.compile see opaque nodes.
 
-`mhla_fwd` returns (o, S, z); S, z (per-block summaries, block-major (M, B*heads, ...): S in
-`mhla.state_dtype`, z fp32) are the only state the backward keeps besides the inputs. Gradients
-flow to q, k, v and mix; RoPE tables get none.
+The linear path (`mhla_linear`) is two ops that autograd chains: `mhla_summaries` (k, v -> per-block
+summaries S, z, block-major (M, B*heads, ...), z fp32) and `mhla_output` (q, mix, S, z -> o). Split there
+so that a context-parallel call can sum one rank's partial summaries over the ranks between them with a
+differentiable all-reduce, whose backward sums the summaries' gradients the same way before the
+summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) with nothing between.
+Besides the inputs, the backward keeps only S and z. Gradients flow to q, k, v and mix; RoPE tables get none.
 `mhla_dense` is the forward-only small-N kernel, taken when no gradient is needed.
-The ops take the call's block geometry and options flattened by `op_args` (torch.library schemas take
-ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
+The ops take the call's block geometry, token slice and options flattened by `op_args` (torch.library
+schemas take ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -22,17 +26,19 @@ from .capabilities import FEATURES
 DENSE_MAX_TOKENS = 256
 
 
-def op_args(geometry, options) -> tuple:
-    """A `BlockGeometry` and an `MHLAOptions` as the custom ops take them: (T, H, W, bt, bh, bw), normalize,
-    eps, feature."""
-    return [*geometry.grid, *geometry.blocks], bool(options.normalize), float(options.eps), str(options.feature)
+def op_args(geometry, options, start: int = 0) -> tuple:
+    """A `BlockGeometry`, an `MHLAOptions` and the first raster token of the call's slice as the custom ops take
+    them: (T, H, W, bt, bh, bw, start), normalize, eps, feature."""
+    return ([*geometry.grid, *geometry.blocks, int(start)], bool(options.normalize), float(options.eps),
+            str(options.feature))
 
 
-def _decode(q, v, geometry, normalize, eps, feature):
-    """The launchers' `Geometry` and keyword options from a custom op's arguments."""
+def _decode(x, y, geometry, normalize, eps, feature):
+    """The launchers' `Geometry` (x: q or k; y: any tensor whose last dim is D_v) and keyword options from a
+    custom op's arguments."""
     if feature not in FEATURES:  # the dispatch refuses these; a direct caller must not get another map
         raise ValueError(f"the Triton kernels compute the feature maps {FEATURES}, not {feature!r}")
-    g = mhla.Geometry(q, v, block_geometry(geometry[:3], geometry[3:]))
+    g = mhla.Geometry(x, y, block_geometry(geometry[:3], geometry[3:6]), start=geometry[6])
     return g, dict(elu=feature == "elu", normalize=normalize, eps=eps)
 
 
@@ -45,40 +51,71 @@ def _rope(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]):
     return None if cos is None else (cos, sin)
 
 
-@torch.library.custom_op("mhla_diffusion::mhla_fwd", mutates_args=())
-def mhla_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+@torch.library.custom_op("mhla_diffusion::mhla_summaries", mutates_args=())
+def mhla_summaries(
+    k: torch.Tensor, v: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    geometry: list[int], normalize: bool, eps: float, feature: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, z) of the call's keys: S in `mhla.state_dtype`, or fp32 for a slice short of the grid (partial sums)."""
+    g, kw = _decode(k, v, geometry, normalize, eps, feature)
+    k, v = (_inner_contiguous(t) for t in (k, v))
+    return mhla.summary_forward(k, v, _rope(cos, sin), g, elu=kw["elu"], normalize=normalize)
+
+
+@mhla_summaries.register_fake
+def _(k, v, cos, sin, geometry, *options):
+    b, n, heads, d = k.shape
+    m, partial = math.prod(geometry[3:6]), n < math.prod(geometry[:3])
+    return (k.new_empty((m, b * heads, d, v.shape[-1]), dtype=torch.float32 if partial else mhla.state_dtype(k.dtype)),
+            k.new_empty((m, b * heads, d), dtype=torch.float32))
+
+
+@torch.library.custom_op("mhla_diffusion::mhla_summaries_bwd", mutates_args=())
+def mhla_summaries_bwd(
+    ds: torch.Tensor, dz: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     geometry: list[int], normalize: bool, eps: float, feature: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, kw = _decode(q, v, geometry, normalize, eps, feature)
-    q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-    return mhla.mhla_forward(q, k, v, mix, _rope(cos, sin), g, **kw)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g, kw = _decode(k, v, geometry, normalize, eps, feature)
+    k, v = (_inner_contiguous(t) for t in (k, v))
+    return mhla.summary_backward(ds, dz, k, v, _rope(cos, sin), g, **kw)
 
 
-@mhla_fwd.register_fake
-def _(q, k, v, mix, cos, sin, *options):
-    b, n, heads, d = q.shape
-    dv, m = v.shape[-1], mix.shape[0]
-    return (q.new_empty((b, n, heads, dv), dtype=v.dtype),
-            q.new_empty((m, b * heads, d, dv), dtype=mhla.state_dtype(q.dtype)),
-            q.new_empty((m, b * heads, d), dtype=torch.float32))
+@mhla_summaries_bwd.register_fake
+def _(ds, dz, k, v, *options):
+    return torch.empty_like(k), torch.empty_like(v)
 
 
-@torch.library.custom_op("mhla_diffusion::mhla_bwd", mutates_args=())
-def mhla_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
-    s: torch.Tensor, z: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+@torch.library.custom_op("mhla_diffusion::mhla_output", mutates_args=())
+def mhla_output(
+    q: torch.Tensor, mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    geometry: list[int], normalize: bool, eps: float, feature: str,
+) -> torch.Tensor:
+    """o of the call's queries from the complete summaries (S in `mhla.state_dtype`)."""
+    g, kw = _decode(q, s, geometry, normalize, eps, feature)
+    return mhla.output_forward(_inner_contiguous(q), mix, s, z, _rope(cos, sin), g, **kw)
+
+
+@mhla_output.register_fake
+def _(q, mix, s, z, *options):
+    return q.new_empty((*q.shape[:3], s.shape[-1]))
+
+
+@torch.library.custom_op("mhla_diffusion::mhla_output_bwd", mutates_args=())
+def mhla_output_bwd(
+    do: torch.Tensor, q: torch.Tensor, mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, kw = _decode(q, v, geometry, normalize, eps, feature)
-    do, q, k, v = (_inner_contiguous(t) for t in (do.to(v.dtype), q, k, v))
-    return mhla.mhla_backward(do, q, k, v, mix, s, z, _rope(cos, sin), g, **kw)
+    g, kw = _decode(q, s, geometry, normalize, eps, feature)
+    do, q = (_inner_contiguous(t) for t in (do.to(q.dtype), q))
+    return mhla.output_backward(do, q, mix, s, z, _rope(cos, sin), g, **kw)
 
 
-@mhla_bwd.register_fake
-def _(do, q, k, v, mix, s, z, cos, sin, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(mix)
+@mhla_output_bwd.register_fake
+def _(do, q, mix, s, z, *options):
+    return torch.empty_like(q), torch.empty_like(mix), torch.empty_like(s), torch.empty_like(z)
 
 
 @torch.library.custom_op("mhla_diffusion::mhla_dense", mutates_args=())
@@ -98,21 +135,46 @@ def _(q, k, v, mix, cos, sin, *options):
     return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, mix, cos, sin, *options = inputs
-    _, s, z = output
-    ctx.mark_non_differentiable(s, z)
-    ctx.save_for_backward(q, k, v, mix, s, z, cos, sin)
+def _save_summaries_inputs(ctx, inputs, output):
+    k, v, cos, sin, *options = inputs
+    ctx.save_for_backward(k, v, cos, sin)
     ctx.options = options
 
 
-def _backward(ctx, do, _ds, _dz):
-    q, k, v, mix, s, z, cos, sin = ctx.saved_tensors
-    dq, dk, dv, dmix = mhla_bwd(do, q, k, v, mix, s, z, cos, sin, *ctx.options)
-    return dq, dk, dv, dmix, None, None, *(None for _ in ctx.options)
+def _summaries_backward(ctx, ds, dz):
+    k, v, cos, sin = ctx.saved_tensors
+    dk, dv = mhla_summaries_bwd(ds, dz, k, v, cos, sin, *ctx.options)
+    return dk, dv, None, None, *(None for _ in ctx.options)
 
 
-mhla_fwd.register_autograd(_backward, setup_context=_setup_context)
+def _save_output_inputs(ctx, inputs, output):
+    q, mix, s, z, cos, sin, *options = inputs
+    ctx.save_for_backward(q, mix, s, z, cos, sin)
+    ctx.options = options
+
+
+def _output_backward(ctx, do):
+    q, mix, s, z, cos, sin = ctx.saved_tensors
+    dq, dmix, ds, dz = mhla_output_bwd(do, q, mix, s, z, cos, sin, *ctx.options)
+    return dq, dmix, ds, dz, None, None, *(None for _ in ctx.options)
+
+
+mhla_summaries.register_autograd(_summaries_backward, setup_context=_save_summaries_inputs)
+mhla_output.register_autograd(_output_backward, setup_context=_save_output_inputs)
+
+
+def mixed_output(q, mix, s, z, cos, sin, args):
+    """`mhla_output` from complete summaries of any float type (a slice's are fp32), rounded to `mhla.state_dtype`."""
+    return mhla_output(q, mix, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *args)
+
+
+def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None):
+    """The linear path on flattened `op_args`: summaries, `reduce` (for a context-parallel slice: their sum over
+    the ranks, differentiable), then mixing and output."""
+    s, z = mhla_summaries(k, v, cos, sin, *args)
+    if reduce is not None:
+        s, z = reduce(s, z)
+    return mixed_output(q, mix, s, z, cos, sin, args)
 
 
 def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,12 +187,22 @@ def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.float32 else t
 
 
-def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None):
+def kernel_tables(rope, dtype: torch.dtype):
+    """(cos, sin) as the kernels read them (`_table`), or (None, None) without RoPE."""
+    return (None, None) if rope is None else (_table(rope[0], dtype), _table(rope[1], dtype))
+
+
+def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None):
     """The fused path behind `mhla_attention(..., backend="triton")`: a `BlockGeometry` and `MHLAOptions` the
-    dispatch has checked against `capabilities`."""
-    cos, sin = (None, None) if rope is None else (_table(rope[0], q.dtype), _table(rope[1], q.dtype))
-    args = (q, k, v, mix, cos, sin, *op_args(geometry, options))
+    dispatch has checked against `capabilities`.
+
+    q, k, v (and rope) may hold raster tokens [start, start + N) only, a context-parallel rank's slice; `reduce`
+    then takes the slice's partial summaries (S, z) to complete ones (`ops.context_parallel`). Without it a
+    slice's output is wrong, but its kernels are those of a rank: `bench op --shard` times them so.
+    """
+    cos, sin = kernel_tables(rope, q.dtype)
+    args = op_args(geometry, options, start)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mix))
-    if not needs_grad and q.shape[1] <= DENSE_MAX_TOKENS:
-        return mhla_dense(*args)
-    return mhla_fwd(*args)[0]
+    if not needs_grad and q.shape[1] <= DENSE_MAX_TOKENS and q.shape[1] == geometry.num_tokens:
+        return mhla_dense(q, k, v, mix, cos, sin, *args)
+    return mhla_linear(q, k, v, mix, cos, sin, args, reduce)

@@ -120,6 +120,11 @@ class BlockGeometry:
     def layout(self, device=None) -> "BlockLayout":
         return block_layout(self.grid, self.blocks, device)
 
+    def slice_blocks(self, start: int, end: int) -> tuple[int, int, int]:
+        """For raster tokens [start, end) (a context-parallel rank's slice): the first block id m0 and the count of
+        ids from it to the last block holding any of them, and the most of them one block holds."""
+        return _slice_blocks(self.grid, self.blocks, start, end)
+
 
 @eager_cache(maxsize=256)
 def _block_geometry(grid: Grid, blocks) -> BlockGeometry:
@@ -193,6 +198,12 @@ def block_layout(grid, blocks, device=None) -> BlockLayout:
 @eager_cache(maxsize=64)
 def _layout_on(grid: Grid, blocks: Grid, device: torch.device) -> BlockLayout:
     return _layout_cpu(grid, blocks).to(device)
+
+
+@eager_cache(maxsize=64)
+def _slice_blocks(grid: Grid, blocks: Grid, start: int, end: int) -> tuple[int, int, int]:
+    ids = _layout_cpu(grid, blocks).token_block[start:end]
+    return int(ids.min()), int(ids.max() - ids.min()) + 1, int(torch.bincount(ids).max())
 
 
 def block_coords(blocks) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
 from mhla_diffusion.kernels import mhla  # noqa: E402
-from mhla_diffusion.kernels.op import mhla_dense, mhla_fwd  # noqa: E402
+from mhla_diffusion.kernels.op import mhla_dense, mhla_output, mhla_summaries  # noqa: E402
 from mhla_diffusion.ops import mhla_attention, naive  # noqa: E402
 
 # One program per block keeps the interpreter quick; SPLIT cases force several programs per
@@ -155,17 +155,23 @@ def compile_case():
 
 
 def opcheck_case():
-    """torch.library.opcheck: schema, fake tensor (output types per input type) and autograd registration."""
+    """torch.library.opcheck: schema, fake tensor (output types per input type) and autograd registration, for the
+    whole grid and for a slice of it (fp32 partial summaries)."""
     configure(FEW)
     gen = torch.Generator().manual_seed(3)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (torch.randn(1, 24, 2, 8, generator=gen).to(dtype).requires_grad_() for _ in range(3))
-        mix = torch.rand(4, 4, generator=gen, requires_grad=True)
-        args = (q, k, v, mix, None, None, [1, 4, 6, 1, 2, 2], True, 1e-6, "relu")
-        torch.library.opcheck(mhla_fwd, args,
-                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        detached = tuple(t.detach() if torch.is_tensor(t) else t for t in args)
-        torch.library.opcheck(mhla_dense, detached, test_utils=("test_schema", "test_faketensor"))
+        for start, end in ((0, 24), (5, 17)):
+            q, k, v = (torch.randn(1, end - start, 2, 8, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+            mix = torch.rand(4, 4, generator=gen, requires_grad=True)
+            options = ([1, 4, 6, 1, 2, 2, start], True, 1e-6, "relu")
+            torch.library.opcheck(mhla_summaries, (k, v, None, None, *options), test_utils=checks)
+            s, z = (t.detach().requires_grad_() for t in mhla_summaries(k, v, None, None, *options))
+            s = s.to(mhla.state_dtype(dtype)).detach().requires_grad_()
+            torch.library.opcheck(mhla_output, (q, mix, s, z, None, None, *options), test_utils=checks)
+        detached = tuple(t.detach() for t in (q, k, v, mix))  # the last slice's 12 tokens, as a whole (1, 3, 4) grid
+        torch.library.opcheck(mhla_dense, (*detached, None, None, [1, 3, 4, 1, 2, 2, 0], True, 1e-6, "relu"),
+                              test_utils=("test_schema", "test_faketensor"))
     return {"ok": 0.0}
 
 

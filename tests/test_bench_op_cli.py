@@ -49,3 +49,16 @@ def test_wan_shapes_time_mhla_as_used_and_the_cli_needs_a_gpu(capsys):
     assert {s.name for s in bench.SHAPES if s.as_used} == {"Wan2.1-1.3B 480p", "Wan2.1-14B 720p"}
     assert main(["bench", "op", "--impls", "mhla", "linear"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_shard_table_gives_each_p_its_slowest_rank_and_scaling():
+    t = lambda ms: {"ms": ms, "how": "graph", "eager_ms": 2 * ms}  # noqa: E731
+    rows = [{"shape": "s", "P": p, "rank": r, "start": 0, "end": 10, "M": 4, "blocks_launched": 4, "longest": 5,
+             "times": {"mhla": {"fwd": t(ms), "fwdbwd": t(3 * ms)}}}
+            for p, r, ms in [(1, 0, 1.0), (2, 0, 0.5), (2, 1, 0.625)]]
+    wan = {**rows[0], "shape": "w", "times": {**rows[0]["times"], "mhla_used": {"fwd": t(2.0), "fwdbwd": t(4.0)}}}
+    lines = bench._shard_table([wan, *rows], "GPU", "bfloat16", 1).splitlines()
+    assert lines[-1] == "| s | 2 | slowest | | | | 0.625 (0.80) | 1.875 (0.80) | - | - |"
+    assert lines[-2] == "| s | 2 | 1 | [0, 10) | 4 of 4 | 5 | 0.625 | 1.875 | - | - |"
+    assert lines[4] == "| w | 1 | 0 | [0, 10) | 4 of 4 | 5 | 1.000 | 3.000 | 2.000 | 4.000 |"
+    assert bench._progress(rows[1]).startswith("[s, P = 2, rank 0] mhla fwd 0.500 ")

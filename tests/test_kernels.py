@@ -98,12 +98,11 @@ def _inputs(d=8, dv=8, dtype=torch.float32, n=12):
 
 
 REFUSALS = {  # what the Triton backend cannot take, and the words of its refusal
-    "device": (dict(), {}, False, "need CUDA"),
-    "dtype": (dict(dtype=torch.float64), {}, False, "share one dtype"),
-    "head dim D": (dict(d=12), {}, False, "D = 12 must be a multiple of 8"),
-    "head dim D_v": (dict(dv=264), {}, False, "D_v = 264 must be a multiple of 8 up to 256"),
-    "feature map": (dict(), dict(feature="cubed"), False, "feature maps \\('relu', 'elu'\\), not 'cubed'"),
-    "sharded": (dict(), {}, True, "no context-parallel"),
+    "device": (dict(), {}, "need CUDA"),
+    "dtype": (dict(dtype=torch.float64), {}, "share one dtype"),
+    "head dim D": (dict(d=12), {}, "D = 12 must be a multiple of 8"),
+    "head dim D_v": (dict(dv=264), {}, "D_v = 264 must be a multiple of 8 up to 256"),
+    "feature map": (dict(), dict(feature="cubed"), "feature maps \\('relu', 'elu'\\), not 'cubed'"),
 }
 
 
@@ -117,7 +116,7 @@ def cubed_feature(monkeypatch):
 def test_triton_refusals_are_explained_and_auto_takes_the_reference(what, monkeypatch, cubed_feature):
     """Each capability the Triton backend checks: asked for by name it raises why (one line, with what to do);
     "auto" takes the reference for the same call. Only the device refusal needs TRITON_INTERPRET unset."""
-    shapes, options, sharded, match = REFUSALS[what]
+    shapes, options, match = REFUSALS[what]
     if what == "device":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
@@ -125,15 +124,15 @@ def test_triton_refusals_are_explained_and_auto_takes_the_reference(what, monkey
     q, k, v = _inputs(**shapes)
     geometry, opts = block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(**options)
     with pytest.raises(ValueError, match=f"backend='triton' cannot run this call: .*{match}.*backend='auto'") as err:
-        dispatch.choose("triton", q, k, v, geometry, opts, sharded)
+        dispatch.choose("triton", q, k, v, geometry, opts)
     assert "\n" not in str(err.value)
-    assert dispatch.choose("auto", q, k, v, geometry, opts, sharded) is dispatch.BACKENDS["torch"]
+    assert dispatch.choose("auto", q, k, v, geometry, opts) is dispatch.BACKENDS["torch"]
 
 
 def test_triton_takes_what_it_supports_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v = _inputs()
-    chosen = dispatch.choose("auto", q, k, v, block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(feature="elu"), False)
+    chosen = dispatch.choose("auto", q, k, v, block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(feature="elu"))
     assert chosen is dispatch.BACKENDS["triton"]
 
 
@@ -148,7 +147,8 @@ def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_
     out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed")
     torch.testing.assert_close(out, dense_mhla(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed"))
     with pytest.raises(ValueError, match="not 'cubed'"):
-        op.mhla_dense(q.float(), k.float(), v.float(), mix.float(), None, None, [1, 3, 4, 1, 2, 2], True, 1e-6, "cubed")
+        op.mhla_dense(q.float(), k.float(), v.float(), mix.float(), None, None, [1, 3, 4, 1, 2, 2, 0], True, 1e-6,
+                      "cubed")
 
 
 def test_unknown_backend_is_rejected():
@@ -206,11 +206,11 @@ def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     seen = {}
 
-    def fake_fwd(q, k, v, mix, cos, sin, *options):
+    def fake_linear(q, k, v, mix, cos, sin, *args):
         seen.update(cos=cos.dtype, sin=sin.dtype)
-        return (torch.zeros_like(v),)
+        return torch.zeros_like(v)
 
-    monkeypatch.setattr(op, "mhla_fwd", fake_fwd)
+    monkeypatch.setattr(op, "mhla_linear", fake_linear)
     q = torch.randn(1, 512, 2, 8).to(dtype)  # above DENSE_MAX_TOKENS: the linear path
     angle = torch.rand(1, 512, 1, 8)
     op.mhla_attention_triton(q, q, q, locality_mix((1, 2, 2)).float(), block_geometry((1, 16, 32), (1, 2, 2)),

@@ -1,6 +1,7 @@
 """Sequence-parallel MHLA under diffusers' context parallelism: 2 and 3 CPU processes (gloo,
 launched by torchrun) give the one-process output and gradients of tiny Wan, PixArt and DiT
-models whose token counts divide by neither, with slices that start mid-block."""
+models whose token counts divide by neither, with slices that start mid-block; and the sharded
+Triton kernels (under Triton's CPU interpreter) give the unsharded kernels' output and gradients."""
 
 import json
 import math
@@ -28,15 +29,27 @@ def grid_of(family):
     return (frames, h // 2, w // 2)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_matches_one_process(world, tmp_path):
+def run_ranks(worker: str, world: int, tmp_path) -> dict:
+    """What rank 0 of `world` CPU processes running tests/`worker` wrote."""
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           str(ROOT / "tests" / "sp_worker.py"), str(out)]
+           str(ROOT / "tests" / worker), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def starts_mid_block(grid, blocks, world) -> bool:
+    """Whether some rank's slice of `grid` begins inside a block that the previous rank's slice ends in."""
+    token_block = block_layout(grid, blocks).token_block
+    starts = [token_range(math.prod(grid), world, rank)[0] for rank in range(1, world)]
+    return any(token_block[s - 1] == token_block[s] for s in starts)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_matches_one_process(world, tmp_path):
+    results = run_ranks("sp_worker.py", world, tmp_path)
     assert results.keys() == CASES.keys()
     for family, r in results.items():
         grid, blocks = grid_of(family), CASES[family][2]
@@ -45,11 +58,24 @@ def test_sharded_matches_one_process(world, tmp_path):
         sizes = [len(s) for s in torch.arange(n).tensor_split(world)]
         assert r["tokens_seen"] == sizes, f"{family}: the sequence was not split as diffusers splits it"
         assert r["layer0_calls"] == [3] * world, f"{family}: gradient checkpointing did not recompute the layer"
-        token_block = block_layout(grid, blocks).token_block
-        starts = [token_range(n, world, rank)[0] for rank in range(1, world)]
-        assert any(token_block[s - 1] == token_block[s] for s in starts), f"{family}: no slice starts mid-block"
+        assert starts_mid_block(grid, blocks, world), f"{family}: no slice starts mid-block"
         for key in ("out", "grads", "checkpointed_grads", "input_grad"):
             assert r[key] < 1e-5, f"{family} {key}: relative error {r[key]:.2e} (worst grads {r['worst']})"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_kernels_match_unsharded(world, tmp_path):
+    """Each rank's kernels walk its slice's tokens of each block (some slices start mid-block), one all-reduce
+    completes the summaries, and the backward's completes their gradients: o and all gradients match the
+    unsharded kernels to fp32 rounding, normalized and not, with RoPE and without."""
+    results = run_ranks("sp_kernels_worker.py", world, tmp_path)
+    grid, blocks = results["grid"], results["blocks"]
+    assert starts_mid_block(grid, blocks, world) and results["cases"]
+    starts = [[token_range(math.prod(grid), world, rank)[0]] for rank in range(world)]
+    for case, r in results["cases"].items():
+        assert r["starts"] == starts, f"{case}: the Triton kernels did not run once per rank on its slice"
+        bad = {name: err for name, err in r["errors"].items() if not err < 1e-6}
+        assert not bad, f"{case}: relative errors {bad}"
 
 
 def test_token_range_is_tensor_split():

@@ -37,6 +37,10 @@ def register_op_command(commands) -> None:
     op.add_argument("--batch", type=int, default=1)
     op.add_argument("--check", action="store_true", help="first check Triton against the fp64 reference at real sizes")
     op.add_argument("--profile", action="store_true", help="also print where the Triton call's time goes (torch.profiler)")
+    op.add_argument("--shard", nargs="+", type=int, metavar="P",
+                    help="instead of the peers, time MHLA on each rank's token slice of the sequence split over P "
+                         "ranks (context parallel) on this one GPU, P = 1 too: the rank's kernels, without the "
+                         "all-reduces of the summaries and of their gradients (see shard_rows)")
     op.add_argument("--json", action="store_true", help="print JSON instead of a table")
     op.set_defaults(func=run_op)
 
@@ -241,7 +245,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
     if n <= op.DENSE_MAX_TOKENS and (not impls or "mhla" in impls):
         # no-grad forwards here take the dense kernel: time the linear path beside it
         def linear(q, k, v, mix):
-            return op.mhla_fwd(q, k, v, mix, None, None, *op.op_args(geometry, MHLAOptions()))[0]
+            return op.mhla_linear(q, k, v, mix, None, None, op.op_args(geometry, MHLAOptions()))
 
         row["linear_graph_fwd_ms"] = _time_op(do_bench_cudagraph, linear, leaves, do, False)
     if profile:
@@ -252,6 +256,76 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
                 print(f"--- profile: {shape.name}, {IMPLS[name][0]}, {what} ---\n"
                       f"{kernel_profile(_call(fns[name], leaves, do, backward))}", flush=True)
     return row
+
+
+def shard_rows(shape: Shape, dtype: torch.dtype, batch: int, worlds):
+    """GPU times (`time_impl`) of MHLA on one rank's token slice, for every rank of P = 1 and each P in `worlds`,
+    plain and (Wan shapes) as Wan uses it: a one-GPU stand-in for a context-parallel run. Yields a row per rank.
+
+    Timed: what `op.mhla_attention_triton(..., start=start)` runs on the rank's slice [start, end) of the tokens:
+    the summary kernel on its keys (fp32 partial summaries of all M blocks, rounded after), mixing of all M
+    blocks, the output kernel on its queries, and in the backward the dq, dS~ summary, Gram, mix^T and dk/dv
+    steps on its tokens. Not timed: the forward all-reduce of the summaries and the backward all-reduce of their
+    gradients (B * heads * M * (D*Dv [+ D]) fp32 values each; `ops.context_parallel.comm_bytes`), nor waiting
+    for the slowest rank.
+    """
+    from ..blocks import block_geometry, locality_mix
+    from ..kernels import op
+    from ..ops import MHLAOptions
+    from ..ops.context_parallel import token_range
+
+    geometry = block_geometry(shape.grid, shape.blocks)
+    n = geometry.num_tokens
+    q, k, v, do = (torch.randn(batch, n, shape.heads, shape.d, device="cuda", dtype=dtype) for _ in range(4))
+    mix = locality_mix(geometry.blocks).float().cuda().requires_grad_()
+    angles = torch.rand(1, n, 1, shape.d // 2, device="cuda").repeat_interleave(2, dim=-1) * 6.28
+    variants = {"mhla": (None, MHLAOptions())}
+    if shape.as_used:
+        variants["mhla_used"] = ((angles.cos(), angles.sin()), MHLAOptions(normalize=False))
+    for world in sorted({1, *worlds}):
+        for rank in range(world):
+            start, end = token_range(n, world, rank)
+            leaves = [t[:, start:end].clone().requires_grad_() for t in (q, k, v)] + [mix]
+            _, m_count, max_len = geometry.slice_blocks(start, end)
+            row = {"shape": shape.name, "P": world, "rank": rank, "start": start, "end": end, "M": geometry.num_blocks,
+                   "blocks_launched": m_count, "longest": max_len, "times": {}}
+            for name, (rope, options) in variants.items():
+                tables = None if rope is None else tuple(t[:, start:end] for t in rope)
+
+                def fn(q, k, v, mix, tables=tables, options=options, start=start):
+                    return op.mhla_attention_triton(q, k, v, mix, geometry, options, tables, start=start)
+
+                row["times"][name] = {key: time_impl(fn, leaves, do[:, start:end], backward, graph=True)
+                                      for backward, key in ((False, "fwd"), (True, "fwdbwd"))}
+            torch.cuda.empty_cache()
+            yield row
+
+
+def _shard_table(rows: list[dict], device: str, dtype: str, batch: int) -> str:
+    cols = [(name, key) for name in ("mhla", "mhla_used") for key in ("fwd", "fwdbwd")
+            if any(name in r["times"] for r in rows)]
+    head = ["shape", "P", "rank", "tokens", "blocks launched", "longest"] + [
+        f"{IMPLS[name][0]} {'fwd' if key == 'fwd' else 'f+b'}" for name, key in cols]
+    lines = [f"{device}, {dtype}, B = {batch}: one rank's token slice of a context-parallel run, timed on this one GPU "
+             "(GPU time in ms, as in `bench op`), without the all-reduces of the summaries and of their gradients. "
+             "Each P's last row: its slowest rank, and in brackets P = 1's time / P over it (1.00: the kernels "
+             "scale ideally).", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['P']} | {r['rank']} | [{r['start']:,}, {r['end']:,}) | "
+                     f"{r['blocks_launched']} of {r['M']} | {r['longest']} | "
+                     + " | ".join(_cell(r["times"].get(name, {}).get(key)) for name, key in cols) + " |")
+        if r["P"] > 1 and r["rank"] == r["P"] - 1:
+            same = [x for x in rows if x["shape"] == r["shape"]]
+            cells = []
+            for name, key in cols:
+                if name not in r["times"]:
+                    cells.append("-")
+                    continue
+                whole = next(x for x in same if x["P"] == 1)["times"][name][key]["ms"]
+                slowest = max(x["times"][name][key]["ms"] for x in same if x["P"] == r["P"])
+                cells.append(f"{slowest:.3f} ({whole / r['P'] / slowest:.2f})")
+            lines.append(f"| {r['shape']} | {r['P']} | slowest | | | | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _cell(t: dict | None) -> str:
@@ -303,7 +377,8 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
 def _progress(row: dict) -> str:
     cells = [f"{n} {key} {_cell(t)} (queued {t.get('queued_ms', math.nan):.3f}, eager {t.get('eager_ms', math.nan):.3f})"
              for n, ts in row["times"].items() for key, t in ts.items()]
-    return f"[{row['shape']}] " + ", ".join(cells)
+    where = f", P = {row['P']}, rank {row['rank']}" if "P" in row else ""
+    return f"[{row['shape']}{where}] " + ", ".join(cells)
 
 
 def _check_table(results: list[dict]) -> str:
@@ -329,8 +404,18 @@ def run_op(args: argparse.Namespace) -> int:
         report["check"] = run_checks()
         if not args.json:
             print(_check_table(report["check"]), end="\n\n", flush=True)
-    report["bandwidth_Bps"] = bandwidth = _copy_bandwidth(do_bench)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
+    if args.shard:
+        report["shard_rows"] = []
+        for s in shapes:
+            for row in shard_rows(s, dtype, args.batch, args.shard):
+                report["shard_rows"].append(row)
+                if not args.json:  # as it finishes, as for the shapes below
+                    print(_progress(row), flush=True)
+        print(json.dumps(report, indent=1) if args.json else
+              _shard_table(report["shard_rows"], report["device"], args.dtype, args.batch))
+        return _check_failures(report)
+    report["bandwidth_Bps"] = bandwidth = _copy_bandwidth(do_bench)
     report["rows"] = []
     for s in shapes:
         report["rows"].append(bench_shape(s, dtype, args.batch, bandwidth, args.profile, args.impls))
@@ -340,6 +425,10 @@ def run_op(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         print(_table(report["rows"], report["device"], bandwidth, args.dtype, args.batch))
+    return _check_failures(report)
+
+
+def _check_failures(report: dict) -> int:
     failed = [r["case"] for r in report.get("check", []) if not r["ok"]]
     if failed:
         raise ValueError(f"Triton kernels off the fp64 reference in: {', '.join(failed)}")

@@ -3,7 +3,8 @@
 Run through `mhla-diffusion bench op --check`. For each case: fresh random inputs, output and
 gradient buffers poisoned with NaN beforehand (the caching allocator hands the poisoned blocks
 back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix and of the
-no-grad forward (the dense kernel at small N), and no NaN/Inf.
+no-grad forward (the dense kernel at small N), and no NaN/Inf. Cases with "ranks" run the op as
+that many context-parallel ranks would, one after another on this GPU (`as_ranks`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from ..blocks import locality_mix, resolve_blocks
+from ..blocks import block_geometry, locality_mix, resolve_blocks
 from ..kernels.mhla import state_dtype
 from . import mhla_attention
+from .context_parallel import token_range
+from .options import MHLAOptions
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 
@@ -30,7 +33,33 @@ CASES = [
     ("d256 rope", 4, 256, 256, (3, 20, 30), (2, 3, 4), {"rope": True}),
     ("d136/dv40 ragged B=2", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2}),
     ("few blocks (split summaries)", 2, 64, 64, (4, 32, 32), (1, 2, 2), {}),
+    ("wan-1.3b-480p rope unnorm, 3 ranks", 12, 128, 128, (21, 30, 52), (3, 4, 5),
+     {"normalize": False, "rope": True, "ranks": 3}),
+    ("d136/dv40 ragged B=2, 4 ranks", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2, "ranks": 4}),
+    ("few blocks (split summaries), 2 ranks", 2, 64, 64, (4, 32, 32), (1, 2, 2), {"ranks": 2}),
 ]
+
+
+def as_ranks(q, k, v, mix, grid, blocks, rope, ranks: int, **kwargs):
+    """The Triton op as `ranks` context-parallel ranks compute it, one after another on this GPU: the kernels on
+    each rank's slice, and in place of the all-reduce a sum of the slices' summaries (whose backward hands each
+    slice the summed gradient, as the all-reduce's does). Returns the slices' outputs in order."""
+    from ..kernels import op
+
+    geometry, options = block_geometry(grid, blocks), MHLAOptions(**kwargs)
+    cos, sin = op.kernel_tables(rope, q.dtype)
+    slices = [token_range(geometry.num_tokens, ranks, rank) for rank in range(ranks)]
+
+    def cut(t, start, end):
+        return None if t is None else t[:, start:end]
+
+    def args(start):
+        return op.op_args(geometry, options, start)
+
+    parts = [op.mhla_summaries(cut(k, a, b), cut(v, a, b), cut(cos, a, b), cut(sin, a, b), *args(a)) for a, b in slices]
+    s, z = (sum(part[i] for part in parts) for i in (0, 1))
+    return torch.cat([op.mixed_output(cut(q, a, b), mix, s, z, cut(cos, a, b), cut(sin, a, b), args(a))
+                      for a, b in slices], dim=1)
 
 
 def _rope_tables(n: int, d: int, device):
@@ -62,12 +91,19 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     kwargs = {"normalize": options.get("normalize", True), "feature": options.get("feature", "relu")}
     do = torch.randn(batch, n, heads, dv, device=device)
 
+    ranks = options.get("ranks", 1)
+
+    def triton_op(*leaves):
+        tables = None if rope is None else tuple(t.float() for t in rope)
+        if ranks > 1:
+            return as_ranks(*leaves, grid, blocks, tables, ranks, **kwargs)
+        return mhla_attention(*leaves, grid, blocks, rope=tables, backend="triton", **kwargs)
+
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [mix.clone().requires_grad_()]
     outs = [((batch, n, heads, dv), dtype), ((batch, n, heads, d), dtype), ((batch, n, heads, d), dtype),
             ((batch, n, heads, dv), dtype), ((m, batch * heads, d, dv), state_dtype(dtype))]
     _poison(outs, device)
-    o = mhla_attention(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
-                       backend="triton", **kwargs)
+    o = triton_op(*leaves)
     _poison(outs, device)
     o.backward(do.to(dtype))
     torch.cuda.synchronize()
@@ -79,8 +115,7 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
     _poison(outs[:1], device)
     with torch.no_grad():  # inference: the dense kernel up to kernels.op.DENSE_MAX_TOKENS, the linear path above
-        o = mhla_attention(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
-                           backend="triton", **kwargs)
+        o = triton_op(*leaves)
     errors["o no-grad"] = _rel(o, ref.detach())
     worst = max(errors.values())
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": n, "M": m, "heads": heads, "D": d,

@@ -7,13 +7,12 @@ all-reduce is differentiable (its backward all-reduces the gradients), so traini
 
 The slices are diffusers' context-parallel ones (`enable_parallelism`, `_cp_plan`): rank r of
 P holds tokens [start, end) of `torch.tensor_split(N, P)`, which may begin or end mid-frame,
-mid-row or mid-block. The sharded path is the PyTorch reference operator's (the dispatch refuses
-Triton for it): `mhla_attention(..., group=group)` runs it.
+mid-row or mid-block. `mhla_attention(..., group=group)` runs either backend on them: the
+reference packs the slice's blocks (`mhla_sharded`); the Triton kernels walk the slice's tokens
+of each block in place into summaries of all M blocks (`mhla_sharded_triton`).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -63,20 +62,21 @@ class _AllReduceSum(torch.autograd.Function):
         return _AllReduceSum.apply(grad, ctx.group), None
 
 
+def _all_reduce_sum(parts, group):
+    """Tensors summed over the group's ranks, in one (differentiable) all-reduce of their promoted dtype; a single
+    tensor is not concatenated (a copy of all B * heads * M * D * Dv summaries, on top of the all-reduce's own)."""
+    flat = _AllReduceSum.apply(torch.cat([p.flatten() for p in parts]) if len(parts) > 1 else parts[0].flatten(), group)
+    return [x.view_as(p) for x, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+
 def _sum_over_ranks(parts, ids, num_blocks, group):
     """Partial summaries of the local blocks -> complete summaries of all blocks, in one all-reduce."""
-    full = [p.new_zeros(*p.shape[:2], num_blocks, *p.shape[3:]).index_copy(2, ids, p) for p in parts]
-    flat = _AllReduceSum.apply(torch.cat([f.flatten(3) for f in full], dim=3), group)
-    sizes = [math.prod(f.shape[3:]) for f in full]
-    return [x.view_as(f) for x, f in zip(flat.split(sizes, dim=3), full)]
+    return _all_reduce_sum([p.new_zeros(*p.shape[:2], num_blocks, *p.shape[3:]).index_copy(2, ids, p) for p in parts],
+                           group)
 
 
-def mhla_sharded(q, k, v, mix, geometry, options, rope, group):
-    """The op on this rank's token slice; every rank of `group` must call it together.
-
-    q, k, v: (B, N_local, heads, D), the rank's contiguous slice of the raster order over the whole
-    `geometry.grid`; rope, if given, is already sliced the same way. Returns the rank's (B, N_local, heads, D_v).
-    """
+def _rank_slice(q, k, v, geometry, group) -> tuple[int, int]:
+    """This rank's slice [start, end) of the grid's raster order, checked against the tokens it was given."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     num_tokens = geometry.num_tokens
     start, end = token_range(num_tokens, world, rank)
@@ -86,9 +86,32 @@ def mhla_sharded(q, k, v, mix, geometry, options, rope, group):
             f"{num_tokens}-token grid {geometry.grid} is [{start}, {end}); the sequence must be split contiguously as torch.tensor_split does "
             "(diffusers' context parallelism with ring_anything or ulysses_anything for any N)"
         )
+    return start, end
+
+
+def mhla_sharded(q, k, v, mix, geometry, options, rope, group):
+    """The op on this rank's token slice (the reference); every rank of `group` must call it together.
+
+    q, k, v: (B, N_local, heads, D), the rank's contiguous slice of the raster order over the whole
+    `geometry.grid`; rope, if given, is already sliced the same way. Returns the rank's (B, N_local, heads, D_v).
+    """
+    start, end = _rank_slice(q, k, v, geometry, group)
     layout, ids = local_layout(geometry.grid, geometry.blocks, start, end, q.device)
     combine = lambda parts: _sum_over_ranks(parts, ids, geometry.num_blocks, group)  # noqa: E731
     return mhla_blocked(q, k, v, mix[ids], layout, options, rope, combine=combine)
+
+
+def mhla_sharded_triton(q, k, v, mix, geometry, options, rope, group):
+    """`mhla_sharded` on the Triton kernels: the slice's partial summaries of all M blocks (S in fp32), summed
+    over the ranks in one all-reduce whose backward sums their gradients, so dk, dv see every rank's queries."""
+    from ..kernels import op  # as the dispatch imports it: on first use
+
+    start, _ = _rank_slice(q, k, v, geometry, group)
+
+    def reduce(s, z):  # unnormalized, z is the kernels' placeholder of zeros: not sent
+        return _all_reduce_sum([s, z], group) if options.normalize else (_all_reduce_sum([s], group)[0], z)
+
+    return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope, start=start, reduce=reduce)
 
 
 def context_group(parallel_config):

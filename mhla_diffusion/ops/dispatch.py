@@ -1,7 +1,7 @@
 """The op's one backend choice: each backend lists the calls it can take, and says why not for the others.
 
 A backend is a function of (q, k, v, mix, geometry, options, rope, group) and its constraints, each a
-check of one capability (device, dtype, head dims, feature map, block length, sharded or not) returning
+check of one capability (device, dtype, head dims, feature map, block length) returning
 why the call is out of reach, or None. "auto" takes the first backend in `BACKENDS` whose constraints all
 pass; an explicit backend whose constraint fails raises that reason. (diffusers' attention_dispatch.py
 registers its attention backends with constraint checks the same way.)
@@ -17,7 +17,7 @@ import torch
 
 from ..blocks import BlockGeometry
 from ..kernels import capabilities as triton_caps
-from .context_parallel import mhla_sharded
+from .context_parallel import mhla_sharded, mhla_sharded_triton
 from .naive import mhla_blocked
 from .options import MHLAOptions
 
@@ -29,10 +29,10 @@ class Backend:
     run: Callable
     constraints: tuple = ()
 
-    def refusal(self, q, k, v, geometry, options, sharded: bool) -> Optional[str]:
+    def refusal(self, q, k, v, geometry, options) -> Optional[str]:
         """The first failed constraint's reason, or None when the backend takes the call."""
         for check in self.constraints:
-            reason = check(q, k, v, geometry, options, sharded)
+            reason = check(q, k, v, geometry, options)
             if reason is not None:
                 return reason
         return None
@@ -45,6 +45,8 @@ def _run_torch(q, k, v, mix, geometry, options, rope, group):
 
 
 def _run_triton(q, k, v, mix, geometry, options, rope, group):
+    if group is not None:
+        return mhla_sharded_triton(q, k, v, mix, geometry, options, rope, group)
     # imported on first use, so the library imports without triton's start-up cost; a plain import
     # statement, which torch.compile traces (import_module it refuses)
     from ..kernels import op
@@ -52,19 +54,19 @@ def _run_triton(q, k, v, mix, geometry, options, rope, group):
     return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope)
 
 
-def _triton_device(q, k, v, geometry, options, sharded):
+def _triton_device(q, k, v, geometry, options):
     if q.device.type == triton_caps.DEVICE or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return f"tensors are on {q.device.type}; the Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
 
 
-def _triton_dtype(q, k, v, geometry, options, sharded):
+def _triton_dtype(q, k, v, geometry, options):
     if q.dtype == k.dtype == v.dtype and q.dtype in triton_caps.DTYPES:
         return None
     return f"q, k, v must share one dtype of {triton_caps.DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
 
 
-def _triton_head_dims(q, k, v, geometry, options, sharded):
+def _triton_head_dims(q, k, v, geometry, options):
     step, top = triton_caps.HEAD_DIM_MULTIPLE, triton_caps.MAX_HEAD_DIM
     for name, dim in (("D", q.shape[-1]), ("D_v", v.shape[-1])):
         if dim % step or dim > top:
@@ -72,26 +74,22 @@ def _triton_head_dims(q, k, v, geometry, options, sharded):
     return None
 
 
-def _triton_feature(q, k, v, geometry, options, sharded):
+def _triton_feature(q, k, v, geometry, options):
     if options.feature in triton_caps.FEATURES:
         return None
     return f"the Triton kernels compute the feature maps {triton_caps.FEATURES}, not {options.feature!r}"
 
 
-def _triton_block_length(q, k, v, geometry, options, sharded):
+def _triton_block_length(q, k, v, geometry, options):
     if geometry.max_len < triton_caps.MAX_BLOCK_TOKENS:
         return None
     return (f"blocks {geometry.blocks} of grid {geometry.grid} hold up to {geometry.max_len} tokens; the Triton kernels "
             f"index blocks of fewer than {triton_caps.MAX_BLOCK_TOKENS} (use more blocks)")
 
 
-def _not_sharded(q, k, v, geometry, options, sharded):
-    return "the Triton kernels have no context-parallel (sharded) path" if sharded else None
-
-
 # In "auto" order: the fused kernels where they apply, the reference (which takes every call) otherwise.
 BACKENDS = {
-    "triton": Backend(_run_triton, (_not_sharded, _triton_device, _triton_dtype, _triton_head_dims, _triton_feature,
+    "triton": Backend(_run_triton, (_triton_device, _triton_dtype, _triton_head_dims, _triton_feature,
                                     _triton_block_length)),
     "torch": Backend(_run_torch),
 }
@@ -111,15 +109,15 @@ def check_inputs(q, k, v, mix, geometry: BlockGeometry, sharded: bool) -> None:
         raise ValueError(f"mix must be ({m}, {m}) for block grid {geometry.blocks}, got {tuple(mix.shape)}")
 
 
-def choose(backend: str, q, k, v, geometry, options, sharded: bool) -> Backend:
+def choose(backend: str, q, k, v, geometry, options) -> Backend:
     """The backend that runs this call: `backend` itself if it takes it, for "auto" the first that does."""
     if backend == "auto":
         for candidate in BACKENDS.values():
-            if candidate.refusal(q, k, v, geometry, options, sharded) is None:
+            if candidate.refusal(q, k, v, geometry, options) is None:
                 return candidate
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {('auto', *BACKENDS)}, got {backend!r}")
-    reason = BACKENDS[backend].refusal(q, k, v, geometry, options, sharded)
+    reason = BACKENDS[backend].refusal(q, k, v, geometry, options)
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run this call: {reason}; backend='auto' falls back to "
                          "the PyTorch reference")
@@ -131,4 +129,4 @@ def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor
     """`mhla_attention` with the block geometry and options already resolved (processors build both once)."""
     sharded = group is not None
     check_inputs(q, k, v, mix, geometry, sharded)
-    return choose(backend, q, k, v, geometry, options, sharded).run(q, k, v, mix, geometry, options, rope, group)
+    return choose(backend, q, k, v, geometry, options).run(q, k, v, mix, geometry, options, rope, group)
