@@ -448,6 +448,7 @@ CONFIG = {
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "dense": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
+    "short": {"block_n": 64, "num_warps": 8, "num_stages": 2, "maxnreg": None},  # kernels/short.py
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
 # memory per token tile than the plain kernel).

@@ -1,0 +1,88 @@
+"""One-launch linear MHLA forward for short sequences (docs/MHLA.md, section 1), no autograd.
+
+At 1,024 tokens the linear path (`mhla.mhla_forward`: summary kernel, two mixing GEMMs, output kernel) is
+four launches of tiny latency-bound programs. Here one program per (batch*head, query block i, Dv tile)
+walks all N tokens of k and v in raster order, which sit in L2 at these sizes, and accumulates the mixed
+summary directly, each token weighted by its block's mixing weight:
+
+    S~_i = sum_j Mc[i, b(j)] rope(phi(k_j))^T v_j ,   z~_i = sum_j Mc[i, b(j)] phi(k_j)
+
+then writes the outputs of block i's queries as `_output_kernel` does. The work is M x N x D x Dv per head
+(M times the summaries' N x D x Dv) and every program reads all of k and v: it pays only while launches,
+not arithmetic, bound the linear path, hence `op.SHORT_MAX_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import mhla
+from .mhla import _block_of, _block_tokens, _features, _head, _load_rows, _raster
+
+
+@triton.jit
+def _short_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, mix_ptr, o_ptr,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, scb, scn, sch, scd, sob, son, soh,
+    heads, N, M, T, H, W, NBT, NBH, NBW, D, DV, TOK, eps,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
+    ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    bh, pid_t = tl.program_id(0), tl.program_id(1)
+    i, vt = pid_t // DV_TILES, pid_t % DV_TILES
+    b, h = bh // heads, bh % heads
+    q_ptr = _head(q_ptr, b, h, sqb, sqh)
+    k_ptr = _head(k_ptr, b, h, skb, skh)
+    v_ptr = _head(v_ptr, b, h, svb, svh)
+    o_ptr = _head(o_ptr, b, h, sob, soh)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch)
+    d = tl.arange(0, BLOCK_D)
+    e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask_d, mask_e = d < D, e < DV
+    acc = tl.zeros((BLOCK_D, BLOCK_DV), tl.float32)
+    zacc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)  # z~ per token row, summed once after the walk
+    for j0 in range(0, N, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        mask_j = j < N
+        w = tl.load(mix_ptr + i * M + _block_of(j, T, H, W, NBT, NBH, NBW), mask=mask_j, other=0.0)
+        fk, rk = _features(k_ptr, skn, cos_ptr, sin_ptr, scn, scd, j.to(tl.int64), mask_j, d, mask_d,
+                           BLOCK_N, BLOCK_D, ELU, ROPE)
+        y = _load_rows(v_ptr, j.to(tl.int64), svn, mask_j, e, mask_e) * w[:, None]
+        acc += tl.dot(tl.trans(rk.to(DOT)), y.to(DOT), input_precision=PRECISION)
+        if NORMALIZE:
+            zacc += fk * w[:, None]
+    mat = acc.to(DOT)
+    zt = tl.sum(zacc, axis=0)
+    t0, h0, w0, lh, lw, r0, r1 = _block_tokens(i, 0, TOK, T, H, W, NBT, NBH, NBW)
+    for r in range(r0, r1, BLOCK_N):
+        rr = r + tl.arange(0, BLOCK_N)
+        mask_n = rr < r1
+        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
+        fq, rq = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
+        out = tl.dot(rq.to(DOT), mat, input_precision=PRECISION)
+        if NORMALIZE:
+            out = out / (tl.sum(fq * zt[None, :], axis=1) + eps)[:, None]
+        tl.store(o_ptr + n[:, None] * son + e[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_e[None, :])
+
+
+def short_output(q, k, v, mix, rope, g: mhla.Geometry, *, elu: bool, normalize: bool, eps: float):
+    """The whole forward in one launch: each query block's mixed summary from a weighted walk over all tokens."""
+    block_d, block_dv, dv_tiles = mhla._full_d_tiles(g)
+    cfg = mhla._config("short", q.dtype, block_d, g.max_len, rope is not None)
+    o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=v.dtype)
+    cos, sin, cs = mhla._rope_args(rope, g, q)
+    dot, precision = mhla._dot_types(q.dtype)
+    _short_kernel[(g.BH, g.M * dv_tiles)](
+        q, k, v, cos, sin, mix.float().contiguous(), o,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
+        g.heads, g.N, g.M, *g.args, g.D, g.DV, g.max_len, eps,
+        BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
+        ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
+        **mhla._launch(cfg),
+    )
+    return o
