@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import mhla
+from . import mhla, short
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars, mixing matrix). Summaries S, S~
@@ -53,6 +53,8 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
     "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
         DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
+    "short": (short._short_kernel, "short", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True)),
+    "short rope": (short._short_kernel, "short", dict(DV_TILES=1, ELU=False, ROPE=True, NORMALIZE=False)),
 }
 
 

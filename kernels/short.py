@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import mhla
-from .mhla import _block_of, _block_tokens, _features, _head, _load_rows, _raster
+from .mhla import _block_of, _block_outputs, _block_tokens, _features, _head, _load_rows
 
 
 @triton.jit
@@ -54,25 +54,19 @@ def _short_kernel(
         acc += tl.dot(tl.trans(rk.to(DOT)), y.to(DOT), input_precision=PRECISION)
         if NORMALIZE:
             zacc += fk * w[:, None]
-    mat = acc.to(DOT)
-    zt = tl.sum(zacc, axis=0)
     t0, h0, w0, lh, lw, r0, r1 = _block_tokens(i, 0, TOK, T, H, W, NBT, NBH, NBW)
-    for r in range(r0, r1, BLOCK_N):
-        rr = r + tl.arange(0, BLOCK_N)
-        mask_n = rr < r1
-        n = _raster(rr, t0, h0, w0, lh, lw, H, W)
-        fq, rq = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
-        out = tl.dot(rq.to(DOT), mat, input_precision=PRECISION)
-        if NORMALIZE:
-            out = out / (tl.sum(fq * zt[None, :], axis=1) + eps)[:, None]
-        tl.store(o_ptr + n[:, None] * son + e[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=mask_n[:, None] & mask_e[None, :])
+    _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, sqn, scn, scd, son, acc.to(DOT), tl.sum(zacc, axis=0), eps,
+                   t0, h0, w0, lh, lw, r0, r1, H, W, d, mask_d, e, mask_e, BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, DOT,
+                   PRECISION)
 
 
 def short_output(q, k, v, mix, rope, g: mhla.Geometry, *, elu: bool, normalize: bool, eps: float):
     """The whole forward in one launch: each query block's mixed summary from a weighted walk over all tokens."""
     block_d, block_dv, dv_tiles = mhla._full_d_tiles(g)
-    cfg = mhla._config("short", q.dtype, block_d, g.max_len, rope is not None)
+    # the summary kernel's settings (a register cap of two programs per SM where tiles are 128 wide): each program
+    # walks all N tokens as a summary program walks a block (sm_90, bf16, 128 x 128: 128 registers, no spill,
+    # 53 KB shared memory, 90 KB with RoPE; 64-token tiles uncapped took 200 registers, one program per SM)
+    cfg = mhla._config("short", q.dtype, block_d, g.N, rope is not None)
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=v.dtype)
     cos, sin, cs = mhla._rope_args(rope, g, q)
     dot, precision = mhla._dot_types(q.dtype)

@@ -3,7 +3,7 @@
 Run through `mhla-diffusion bench op --check`. For each case: fresh random inputs, output and
 gradient buffers poisoned with NaN beforehand (the caching allocator hands the poisoned blocks
 back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix and of the
-no-grad forward (the dense kernel at small N), and no NaN/Inf.
+no-grad forward (the one-launch dense or short kernel at small N), and no NaN/Inf.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ CASES = [
     ("d256 rope", 4, 256, 256, (3, 20, 30), (2, 3, 4), {"rope": True}),
     ("d136/dv40 ragged B=2", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2}),
     ("few blocks (split summaries)", 2, 64, 64, (4, 32, 32), (1, 2, 2), {}),
+    # no-grad forward on the one-launch linear kernel (kernels/short.py) with RoPE, unnormalized, ragged, B = 2
+    ("short rope unnorm ragged B=2", 6, 64, 40, (3, 13, 23), (2, 3, 4), {"normalize": False, "rope": True, "batch": 2}),
 ]
 
 
@@ -78,7 +80,7 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     errors = {"o": _rel(o, ref)}
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
     _poison(outs[:1], device)
-    with torch.no_grad():  # inference: the dense kernel up to kernels.op.DENSE_MAX_TOKENS, the linear path above
+    with torch.no_grad():  # inference: kernels.op's one-launch kernels up to SHORT_MAX_TOKENS, the linear path above
         o = mhla_attention(*leaves, grid, blocks, rope=None if rope is None else tuple(t.float() for t in rope),
                            backend="triton", **kwargs)
     errors["o no-grad"] = _rel(o, ref.detach())
