@@ -53,8 +53,9 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
     "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
         DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
-    "short": (short._short_kernel, "short", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True)),
-    "short rope": (short._short_kernel, "short", dict(DV_TILES=1, ELU=False, ROPE=True, NORMALIZE=False)),
+    "short": (short._short_kernel, "short", dict(DV_TILES=1, QUERY_BLOCKS=1, ELU=False, ROPE=False, NORMALIZE=True)),
+    "short rope": (short._short_kernel, "short", dict(  # as Wan uses it: RoPE, unnormalized
+        DV_TILES=1, QUERY_BLOCKS=1, ELU=False, ROPE=True, NORMALIZE=False)),
 }
 
 
