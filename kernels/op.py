@@ -104,7 +104,7 @@ def _forward_only(name: str, launcher):
 
 
 mhla_dense = _forward_only("mhla_dense", mhla.dense_output)  # O(N^2) dense formula, one launch
-mhla_short = _forward_only("mhla_short", short.short_output)  # linear, one launch (kernels/short.py)
+mhla_short = _forward_only("mhla_short", short.short_output)  # linear, one kernel (kernels/short.py)
 
 
 def _setup_context(ctx, inputs, output):

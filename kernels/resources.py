@@ -31,7 +31,7 @@ from . import mhla, short
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars, mixing matrix). Summaries S, S~
 # (state_dtype) and, since op._table, RoPE tables are bf16 for bf16 inputs.
-FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr"}
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr", "wt_ptr"}
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
 DIVISIBLE = re.compile(r"^(s[a-z]*[bnh]|D|DV)$")
 INSTRUCTIONS = ("HGMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
