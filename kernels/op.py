@@ -6,7 +6,8 @@ so that a context-parallel call can sum one rank's partial summaries over the ra
 differentiable all-reduce, whose backward sums the summaries' gradients the same way before the
 summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) with nothing between.
 Besides the inputs, the backward keeps only S and z. Gradients flow to q, k, v and mix; RoPE tables get none.
-`mhla_dense` is the forward-only small-N kernel, taken when no gradient is needed.
+`mhla_dense` (dense formula) and `mhla_short` (one-launch linear) are forward-only small-N kernels, taken when no
+gradient is needed by calls that hold the whole grid.
 The ops take the call's block geometry, token slice and options flattened by `op_args` (torch.library
 schemas take ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
 """
@@ -17,13 +18,16 @@ from typing import Optional
 import torch
 
 from ..blocks import block_geometry
-from . import mhla
+from . import mhla, short
 from .capabilities import FEATURES
 
 # Forward calls that need no gradient take the one-launch dense kernel up to this many tokens.
 # H200, bf16, GPU time dense vs linear path: 16 heads x 72 at N = 256 0.034 vs 0.061 ms (eager 0.18
 # vs 0.33), at N = 1,024 0.156 vs 0.151, at N = 4,096 2.92 vs 0.36; 70 x 32 at N = 1,024 0.36 vs 0.09.
 DENSE_MAX_TOKENS = 256
+# Above that, up to this many tokens, they take the one-launch linear kernel (kernels/short.py), whose work grows
+# as M x N. Not yet measured on a GPU: `bench op` times the dense, short and linear forwards side by side.
+SHORT_MAX_TOKENS = 1024
 
 
 def op_args(geometry, options, start: int = 0) -> tuple:
@@ -118,21 +122,26 @@ def _(do, q, mix, s, z, *options):
     return torch.empty_like(q), torch.empty_like(mix), torch.empty_like(s), torch.empty_like(z)
 
 
-@torch.library.custom_op("mhla_diffusion::mhla_dense", mutates_args=())
-def mhla_dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
-    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-    geometry: list[int], normalize: bool, eps: float, feature: str,
-) -> torch.Tensor:
-    """Forward only (no autograd registered): the dispatcher uses it when no gradient is needed."""
-    g, kw = _decode(q, v, geometry, normalize, eps, feature)
-    q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-    return mhla.dense_output(q, k, v, mix, _rope(cos, sin), g, **kw)
+def _forward_only(name: str, launcher):
+    """A forward-only custom op (no autograd registered) running one of the one-launch kernels, for the
+    dispatcher's calls that need no gradient."""
+
+    def forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+        cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+        geometry: list[int], normalize: bool, eps: float, feature: str,
+    ) -> torch.Tensor:
+        g, kw = _decode(q, v, geometry, normalize, eps, feature)
+        q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+        return launcher(q, k, v, mix, _rope(cos, sin), g, **kw)
+
+    op = torch.library.custom_op(f"mhla_diffusion::{name}", forward, mutates_args=())
+    op.register_fake(lambda q, k, v, mix, cos, sin, *options: q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype))
+    return op
 
 
-@mhla_dense.register_fake
-def _(q, k, v, mix, cos, sin, *options):
-    return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
+mhla_dense = _forward_only("mhla_dense", mhla.dense_output)  # O(N^2) dense formula, one launch
+mhla_short = _forward_only("mhla_short", short.short_output)  # linear, one kernel (kernels/short.py)
 
 
 def _save_summaries_inputs(ctx, inputs, output):
@@ -203,6 +212,9 @@ def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, r
     cos, sin = kernel_tables(rope, q.dtype)
     args = op_args(geometry, options, start)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mix))
-    if not needs_grad and q.shape[1] <= DENSE_MAX_TOKENS and q.shape[1] == geometry.num_tokens:
+    whole = q.shape[1] == geometry.num_tokens
+    if not needs_grad and whole and q.shape[1] <= DENSE_MAX_TOKENS:
         return mhla_dense(q, k, v, mix, cos, sin, *args)
+    if not needs_grad and whole and q.shape[1] <= SHORT_MAX_TOKENS:
+        return mhla_short(q, k, v, mix, cos, sin, *args)
     return mhla_linear(q, k, v, mix, cos, sin, args, reduce)

@@ -145,6 +145,9 @@ def _time_op(bench, fn, leaves, do, backward: bool) -> float:
     return bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
 
 
+# Shapes up to this many tokens also time each path of a no-grad forward (`bench_shape`).
+NO_GRAD_PATHS_MAX_TOKENS = 4096
+
 SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles: H200's top clock (a slower clock holds longer)
 
 
@@ -242,12 +245,12 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
                 row["times"][name][key] = {"ms": math.nan, "error": str(err).splitlines()[0]}
             torch.cuda.empty_cache()
     row.update(ratios(row))
-    if n <= op.DENSE_MAX_TOKENS and (not impls or "mhla" in impls):
-        # no-grad forwards here take the dense kernel: time the linear path beside it
-        def linear(q, k, v, mix):
-            return op.mhla_linear(q, k, v, mix, None, None, op.op_args(geometry, MHLAOptions()))
-
-        row["linear_graph_fwd_ms"] = _time_op(do_bench_cudagraph, linear, leaves, do, False)
+    if n <= NO_GRAD_PATHS_MAX_TOKENS and (not impls or "mhla" in impls):
+        # every path a no-grad forward can take, side by side: op.DENSE_MAX_TOKENS and SHORT_MAX_TOKENS are set from it
+        options = (None, None, *op.op_args(geometry, MHLAOptions()))
+        paths = {"dense": op.mhla_dense, "short": op.mhla_short, "linear": lambda q, k, v, mix, cos, sin, *args: op.mhla_linear(q, k, v, mix, cos, sin, args)}
+        row["no_grad_fwd_ms"] = {name: _time_op(do_bench_cudagraph, lambda q, k, v, mix, f=f: f(q, k, v, mix, *options),
+                                                leaves, do, False) for name, f in paths.items()}
     if profile:
         for name in ("mhla", "mhla_used"):
             if name not in fns or (impls and name not in impls):
@@ -361,11 +364,14 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
                 cells += [f"{eager:.3f}"] + [_ratio(r[f"{x}_{key}"]) for x in ("mhla_vs_cudnn", "mhla_vs_linear",
                                                                               "used_vs_mhla")]
             lines.append("| " + " | ".join(cells) + " |")
-    small = [r for r in rows if "linear_graph_fwd_ms" in r]
+    small = [r for r in rows if "no_grad_fwd_ms" in r]
     if small:
-        lines += ["", "Forward without gradients at small N (GPU time, CUDA graph): the dense kernel the op takes "
-                  "vs the linear path.", "", "| shape | N | dense | linear | cuDNN |", "|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {r['N']:,} | {_cell(r['times']['mhla']['fwd'])} | {r['linear_graph_fwd_ms']:.3f} "
+        lines += ["", "Forward without gradients at small N (GPU time, CUDA graph): the one-launch dense and short "
+                  "kernels and the linear path (the op takes dense up to DENSE_MAX_TOKENS, short up to "
+                  "SHORT_MAX_TOKENS; 'MHLA' is what it took).", "",
+                  "| shape | N | M | dense | short | linear | MHLA | cuDNN |", "|---" * 8 + "|"]
+        lines += [f"| {r['shape']} | {r['N']:,} | {r['M']} | " + " | ".join(f"{r['no_grad_fwd_ms'][p]:.3f}" for p in
+                  ("dense", "short", "linear")) + f" | {_cell(r['times']['mhla']['fwd'])} "
                   f"| {_cell(r['times'].get('cudnn', {}).get('fwd'))} |" for r in small]
     errors = [f"{r['shape']} {n} {key}: {t['error']}" for r in rows for n, ts in r["times"].items()
               for key, t in ts.items() if "error" in t]
