@@ -26,8 +26,9 @@ from .capabilities import FEATURES
 # vs 0.33), at N = 1,024 0.156 vs 0.151, at N = 4,096 2.92 vs 0.36; 70 x 32 at N = 1,024 0.36 vs 0.09.
 DENSE_MAX_TOKENS = 256
 # Above that, up to this many tokens, they take the one-launch linear kernel (kernels/short.py), whose work grows
-# as M x N. Not yet measured on a GPU: `bench op` times the dense, short and linear forwards side by side.
-SHORT_MAX_TOKENS = 1024
+# as M x N. Off (= DENSE_MAX_TOKENS) until measured on a GPU: `bench op` times the dense, short and linear
+# forwards side by side, and `bench op --check` runs the short kernel on every case up to 4,096 tokens.
+SHORT_MAX_TOKENS = DENSE_MAX_TOKENS
 
 
 def op_args(geometry, options, start: int = 0) -> tuple:

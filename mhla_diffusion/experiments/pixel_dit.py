@@ -68,22 +68,13 @@ class Teacher:
 
     guidance None: both branches as CFG sampling evaluates them: the same labels, the same 10 % of
     them dropped to the null class, go to teacher and student (DiT drops labels inside its forward
-    in train mode, independently per layer and never in the eval-mode teacher, so the student's
-    own dropout is switched off). guidance g: the teacher's guided prediction
+    in train mode, independently per block and never in the eval-mode teacher, so the student's
+    own dropout is switched off: `stop_conditioning_dropout`). guidance g: the teacher's guided prediction
     uncond + g (cond - uncond) is the target of the student's conditional one (guidance
     distillation; the student then samples at guidance 1)."""
 
     model: torch.nn.Module
     guidance: float | None = None
-
-
-def _labels_fixed(model) -> None:
-    """No label dropout inside `model`'s forward (the caller draws it)."""
-    from diffusers.models.embeddings import LabelEmbedding
-
-    for m in model.modules():
-        if isinstance(m, LabelEmbedding):
-            m.eval()
 
 
 def _distill_target(teacher: Teacher, inputs: dict) -> torch.Tensor:
@@ -112,7 +103,9 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4, foreach=True)
     images, labels = images.to(device), labels.to(device)
     torch.manual_seed(seed)
-    train_mode(model, teacher)
+    if teacher is not None:
+        DIT.stop_conditioning_dropout(model)  # the loop draws the dropped labels, the same for both
+    model.train()
     losses = []
     for step in tqdm(range(1, settings.steps + 1), desc=desc, disable=not progress, mininterval=2):
         idx = torch.randint(0, len(labels), (settings.batch_size,), device=device)
@@ -138,19 +131,13 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
             model.eval()
             at_step(step)
             ema.restore(params)
-            train_mode(model, teacher)
+            model.train()
     ema.copy_to(params)
     model.eval()
     losses = torch.stack(losses).cpu().tolist() if losses else []
     if not all(math.isfinite(v) for v in losses):
         raise FloatingPointError(f"{desc}: the training loss became non-finite; lower the learning rate")
     return losses
-
-
-def train_mode(model, teacher: Teacher | None) -> None:
-    model.train()
-    if teacher is not None:
-        _labels_fixed(model)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from .context_parallel import token_range
 from .options import MHLAOptions
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+SHORT_CHECKED_TOKENS = 4096  # cases up to this size also run the one-launch linear kernel, whatever the dispatch takes
 
 # name, heads, D, Dv, grid, blocks, options
 CASES = [
@@ -62,6 +63,15 @@ def as_ranks(q, k, v, mix, grid, blocks, rope, ranks: int, **kwargs):
     s, z = (sum(part[i] for part in parts) for i in (0, 1))
     return torch.cat([op.mixed_output(cut(q, a, b), mix, s, z, cut(cos, a, b), cut(sin, a, b), args(a))
                       for a, b in slices], dim=1)
+
+
+@torch.no_grad()
+def short_output(q, k, v, mix, grid, blocks, rope, **kwargs):
+    """The one-launch linear kernel's forward (kernels/short.py) on a whole grid."""
+    from ..kernels import op
+
+    cos, sin = op.kernel_tables(None if rope is None else tuple(t.float() for t in rope), q.dtype)
+    return op.mhla_short(q, k, v, mix, cos, sin, *op.op_args(block_geometry(grid, blocks), MHLAOptions(**kwargs)))
 
 
 def _rope_tables(n: int, d: int, device):
@@ -116,9 +126,11 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     errors = {"o": _rel(o, ref)}
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
     _poison(outs[:1], device)
-    with torch.no_grad():  # inference: kernels.op's one-launch kernels up to SHORT_MAX_TOKENS, the linear path above
+    with torch.no_grad():  # inference: the dispatch's choice (kernels.op: one-launch kernels at small N)
         o = triton_op(*leaves)
     errors["o no-grad"] = _rel(o, ref.detach())
+    if ranks == 1 and n <= SHORT_CHECKED_TOKENS:
+        errors["o short"] = _rel(short_output(*leaves, grid, blocks, rope, **kwargs), ref.detach())
     worst = max(errors.values())
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": n, "M": m, "heads": heads, "D": d,
             "Dv": dv, "errors": errors, "worst": worst, "ok": worst < TOLERANCE[dtype]}
