@@ -100,6 +100,10 @@ def test_rerun_resumes_and_refuses_other_settings(toy_run, capsys):
     (["--samples", "5"], "samples must be at least"),
     (["--resolution", "9", "--patch-size", "2"], "not a multiple of patch size"),
     (["--seeds", "a,b"], "invalid"),
+    (["--curve-steps", "6"], "strictly between 0 and finetune_steps"),
+    (["--guided-target", "true"], "guided_target needs data_free"),
+    (["--layout", "random"], "layout random needs mosaic > 1"),
+    (["--jobs", "0"], "--jobs must be at least 1"),
 ])
 def test_bad_settings_fail_before_training(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
@@ -144,13 +148,65 @@ def test_data_free_stages_run_without_scans_and_keep_old_runs_resumable(tmp_path
     out, _ = toy_run
     assert "mhla_lr" not in json.loads((out / "settings.json").read_text())
     done = run("--preset", "toy", "--out", tmp_path, "--device", "cpu", "--no-progress", "--seeds", "0",
-               "--data-free", "true", "--transfer-steps", "3", "--teacher-samples", "20")
+               "--data-free", "true", "--transfer-steps", "3", "--teacher-samples", "20", "--curve-steps", "2,4",
+               "--guided-target", "true")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
+    steps = PRESETS["toy"].finetune_steps
     for variant in ("linear", "mhla"):
         transferred, teacher = results["runs"][f"{variant}/transferred"]["0"], results["runs"][f"{variant}/teacher"]["0"]
         assert transferred["finetune_steps"] == 0 and len(transferred["layers"]) == PRESETS["toy"].layers
-        assert teacher["finetune_steps"] == PRESETS["toy"].finetune_steps and math.isfinite(teacher["fid"])
+        assert teacher["finetune_steps"] == steps and math.isfinite(teacher["fid"])
+        for kind in ("finetuned", "teacher"):  # the quality curves: scored along the way with the EMA weights
+            assert [results["runs"][f"{variant}/{kind}@{n}"]["0"]["finetune_steps"] for n in (2, 4)] == [2, 4]
+    guided = results["runs"]["mhla/teacher_guided"]["0"]
+    assert guided["finetune_steps"] == steps and math.isfinite(guided["fid"])
+    assert "mhla/teacher_guided seed 0: FID" in done.stdout
     table = (tmp_path / "results.md").read_text()
     assert "| MHLA (4 blocks), attention transfer (no scans) |" in table
     assert "| MHLA (4 blocks), transfer + teacher-only fine-tune (no scans) |" in table
+    assert "guided target (no scans; sampled at guidance 1) |" in table
+    assert "| run | N = 0 | N = 2 | N = 4 | N = 6 |" in table
+    assert "| MHLA (4 blocks), attention transfer + teacher-only fine-tune (no scans) |" in table
+    with Image.open(tmp_path / "quality_curves.png") as img:
+        assert img.size[0] > 100
+
+
+def test_seeds_in_parallel_processes_give_the_serial_results(tmp_path, toy_run):
+    """--jobs 2: each seed in its own process, merged into one results.json, the same as one process."""
+    out, _ = toy_run
+    done = run("--preset", "toy", "--out", tmp_path, "--device", "cpu", "--no-progress", "--jobs", "2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    serial = json.loads((out / "results.json").read_text())["runs"]
+    parallel = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(parallel["runs"]) == sorted(serial)
+    for key, runs in serial.items():
+        assert sorted(parallel["runs"][key]) == sorted(runs)
+        for seed, r in runs.items():
+            assert parallel["runs"][key][seed]["fid"] == pytest.approx(r["fid"], rel=1e-5)
+    assert sorted(parallel["jobs"]) == ["0", "1"]
+    assert "seeds in 2 parallel processes" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "samples_mhla_finetuned.png").is_file()  # the first seed's grids
+
+
+def test_teacher_gets_the_students_labels(monkeypatch):
+    """Teacher-only training: the labels the loop drops (10 %) reach teacher and student alike, and
+    the student's own per-block dropout is off; the guided target is uncond + g (cond - uncond)."""
+    from mhla_diffusion.experiments import pixel_dit
+
+    base = pixel_dit.build_dit(8, pixel_dit.ModelSize(1, 2, 8, 2), 0).eval()  # a teacher, as trained models are
+    student = pixel_dit.converted_copy(base, (1, 2, 2))
+    seen = []
+    original = base.forward
+    monkeypatch.setattr(base, "forward", lambda **kw: seen.append(kw["class_labels"]) or original(**kw))
+    images, labels = torch.zeros(64, 1, 8, 8), torch.arange(64) % 10
+    settings = pixel_dit.TrainSettings(steps=3, batch_size=64, lr=1e-4, warmup=1, ema_decay=0.9)
+    pixel_dit.train(student, images, labels, settings, 0, "t", False, teacher=pixel_dit.Teacher(base))
+    assert all(m.dropout_prob == 0 for m in student.modules() if type(m).__name__ == "LabelEmbedding")
+    dropped = torch.cat(seen) == 10  # the null class
+    assert 0 < dropped.sum() < len(dropped) / 3
+    inputs = {"hidden_states": torch.randn(2, 1, 8, 8), "timestep": torch.tensor([5, 500]), "class_labels": torch.tensor([1, 2])}
+    seen.clear()
+    guided = pixel_dit._distill_target(pixel_dit.Teacher(base, 2.0), inputs)
+    cond, uncond = (base(**{**inputs, "class_labels": y}).sample for y in (torch.tensor([1, 2]), torch.tensor([10, 10])))
+    torch.testing.assert_close(guided, uncond + 2.0 * (cond - uncond))

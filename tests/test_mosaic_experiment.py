@@ -120,3 +120,33 @@ def test_projection_capture_matches_the_mhla_capture():
     torch.testing.assert_close(a.k, b.k)
     assert a.blocks == b.blocks == (1, 2, 2) and torch.equal(a.mix, b.mix)
     assert every["1"].blocks == (1, 1, 1) and every["1"].q.shape == (64, 2, 8)
+
+
+def test_random_layouts_are_unconditional_and_scored_by_confidence(tmp_path):
+    """--layout random: every cell a random scan, one label for all, cells scored by the classifier's
+    confidence; with the mhla_lr ablation variant, whose mixing moves less than MHLA's at its own rate."""
+    done = run("--preset", "mosaic-toy", "--out", tmp_path, "--device", "cpu", "--no-progress", "--seeds", "0",
+               "--layout", "random", "--guidance", "1", "--mhla-lr-ablation", "true", "--diagnostic", "false")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert "mhla_base_lr/finetuned" in results["runs"]
+    for runs in results["runs"].values():
+        assert all(0 < r["confidence"] <= 1 and "accuracy" not in r for r in runs.values())
+    assert 0 < results["real_heldout"]["confidence"] <= 1
+    moved = {v: results["runs"][f"{v}/finetuned"]["0"]["mhla/mixing_change"] for v in ("mhla", "mhla_base_lr")}
+    assert moved["mhla"] > moved["mhla_base_lr"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert "position decides nothing about content" in table and "cell confidence (mean ± std)" in table
+    assert "| MHLA (4 blocks), its parameters at the fine-tune rate, fine-tuned |" in table
+
+
+def test_random_mosaics_are_real_scans_drawn_independently():
+    scans = digits_data.load_digits(8)
+    mosaics = digits_data.random_mosaics(scans.test_images, 200, 2, seed=2)
+    cells = digits_data.split_cells(mosaics, 2)
+    match = (cells.flatten(1)[:, None] == scans.test_images.flatten(1)[None]).all(-1)
+    assert mosaics.shape == (200, 1, 16, 16) and match.any(1).all()
+    digits = scans.test_labels[match.float().argmax(1)].view(200, 4)
+    assert len(torch.unique(digits, dim=0)) > 150  # no fixed layouts
+    assert all(torch.bincount(digits[:, c], minlength=10).min() > 5 for c in range(4))  # every digit in every cell
+    assert torch.equal(digits_data.random_mosaics(scans.test_images, 200, 2, seed=2), mosaics)
