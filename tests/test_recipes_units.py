@@ -203,28 +203,28 @@ def test_overfit_one_batch_loss_falls(tmp_path, sana_dir, one_image):
 
 
 def test_mhla_learning_rate_moves_the_mixing_matrices_further():
-    """The recipe's optimizer groups: MHLA parameters at mhla_learning_rate. At the recipes' rates a
-    logit moves about lr per AdamW step, so 20 steps at 1e-4 leave the matrix at its init."""
+    """The recipe's optimizer groups: MHLA parameters at mhla_learning_rate, by default (0) at M x
+    learning_rate. A logit moves about its rate per AdamW step, so at the base rate the matrix stays at
+    its init, the default moves it M times as far (M = 4 blocks here) and 1e-2 further still."""
     from test_convert import run
 
     drift = {}
-    for mhla_lr in (0.0, 1e-2):
+    for mhla_lr, rate in ((1e-4, 1e-4), (0.0, 4e-4), (1e-2, 1e-2)):
         torch.manual_seed(0)
         transformer = zoo.build_transformer("dit")
         convert(transformer, default_config(transformer, blocks=(1, 2, 2)))
         cfg = load_config(None, {"pretrained": "x", "learning_rate": 1e-4, "mhla_learning_rate": mhla_lr})
         params = model.set_trainable(transformer, cfg)
         groups = model.param_groups(transformer, params, cfg.learning_rate, cfg.mhla_learning_rate)
-        assert [g["lr"] for g in groups] == [1e-4, mhla_lr or 1e-4]
+        assert [g["lr"] for g in groups] == pytest.approx([1e-4, rate])
         assert {id(p) for p in groups[1]["params"]} == {id(p) for p in model.mhla_parameters(transformer)}
         opt = torch.optim.AdamW(groups, weight_decay=0.0)
         for step in range(20):
             opt.zero_grad()
             run(transformer.train(), 8, seed=step).square().mean().backward()
             opt.step()
-        drift[mhla_lr] = model.mixing_drift(transformer)
-    assert drift[0.0]["mhla/mixing_change"] < 0.01 < drift[1e-2]["mhla/mixing_change"]
-    assert drift[1e-2]["mhla/mixing_entropy"] != drift[1e-2]["mhla/mixing_init_entropy"]
+        drift[rate] = model.mixing_drift(transformer)["mhla/mixing_change"]
+    assert drift[1e-4] < 0.01 and 3 * drift[1e-4] < drift[4e-4] < drift[1e-2]
 
 
 def test_train_help_lists_every_config_key_with_type_default_and_description():

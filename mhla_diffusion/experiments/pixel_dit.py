@@ -97,7 +97,7 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     device = next(model.parameters()).device
     objective = DDPMObjective(SCHEDULER, learned_variance=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(param_groups(model, params, settings.lr, settings.mhla_lr), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(param_groups(model, params, settings.lr, settings.mhla_lr or settings.lr), weight_decay=0.0)
     warmup = lambda step: min(1.0, (step + 1) / max(1, settings.warmup))  # noqa: E731
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4, foreach=True)

@@ -156,7 +156,7 @@ def run_lines(results: dict) -> list[str]:
         f"- command: `{results['command']}`",
         f"- time (all sessions of a resumed run): {sum(timings.values()):.0f} s in the phases ("
         + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-        + f"{parallel}); the last session took {results.get('wall_s', math.nan):.0f} s",
+        + f"{parallel})" + (f"; the last session took {results['wall_s']:.0f} s" if "wall_s" in results else ""),
     ]
 
 
@@ -220,16 +220,16 @@ def results_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> st
         f"- digit classifier: test accuracy {clf.get('test_accuracy', math.nan):.4f} on the held-out scans; "
         f"FID on its {clf.get('features')}-d penultimate features against the {clf.get('train_n')} train scans",
         "",
-        f"| attention | blocks M | fine-tune steps | FID (mean ± std) | classifier accuracy (mean ± std) |",
-        "|---|---|---|---|---|",
+        f"| attention | blocks M | fine-tune steps | seeds | FID (mean ± std) | classifier accuracy (mean ± std) |",
+        "|---|---|---|---|---|---|",
     ]
     if real:
-        lines.append(f"| real held-out scans (n = {real['n']}) | — | — | {real['fid']:.3f} | {real['accuracy']:.3f} |")
+        lines.append(f"| real held-out scans (n = {real['n']}) | — | — | — | {real['fid']:.3f} | {real['accuracy']:.3f} |")
     for label, m, steps, key in rows:
         runs = results["runs"].get(key, {})
         fids = [r["fid"] for r in runs.values()]
         accs = [r["accuracy"] for r in runs.values()]
-        lines.append(f"| {label} | {m} | {steps} | {mean_std(fids)} | {mean_std(accs)} |")
+        lines.append(f"| {label} | {m} | {steps} | {len(fids)} | {mean_std(fids)} | {mean_std(accs)} |")
     lines += ["", "FID is biased upward at small n: the real row uses the held-out scans' n, the models "
               f"{s['samples']} samples, so compare the models with each other and the real row as a floor only.", ""]
     return "\n".join(lines)
@@ -265,16 +265,16 @@ def mosaic_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> str
         f"{m * m} cells' classifier logits concatenated ({m * m * 10}-d) against {mos.get('reference_n')} train mosaics"
         + ("" if conditional else ". Cell confidence: the classifier's mean top-class probability per cell (is it legibly one digit)"),
         "",
-        f"| attention | blocks M | fine-tune steps | cell FID (mean ± std) | cell {legibility} (mean ± std) | image FID (mean ± std) | mixing change |",
-        "|---|---|---|---|---|---|---|",
+        f"| attention | blocks M | fine-tune steps | seeds | cell FID (mean ± std) | cell {legibility} (mean ± std) | image FID (mean ± std) | mixing change |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     if real:
-        lines.append(f"| real held-out mosaics (n = {real['n']}) | — | — | {real['fid']:.3f} | {real[legibility]:.3f} | "
+        lines.append(f"| real held-out mosaics (n = {real['n']}) | — | — | — | {real['fid']:.3f} | {real[legibility]:.3f} | "
                      f"{real['image_fid']:.3f} | — |")
     for label, mm, steps, key in rows:
         runs = list(results["runs"].get(key, {}).values())
         drift = [r["mhla/mixing_change"] for r in runs if "mhla/mixing_change" in r]
-        lines.append(f"| {label} | {mm} | {steps} | {mean_std([r['fid'] for r in runs])} | {mean_std([r[legibility] for r in runs])} | "
+        lines.append(f"| {label} | {mm} | {steps} | {len(runs)} | {mean_std([r['fid'] for r in runs])} | {mean_std([r[legibility] for r in runs])} | "
                      f"{mean_std([r['image_fid'] for r in runs])} | {mean_std(drift) if drift else '—'} |")
     lines += ["", "Spread is the sample standard deviation over seeds (the softmax pre-trained row: one model, sampled with "
               "each seed's noise). Mixing change: mean |Mc - Mc0| / mean Mc0 over converted layers after fine-tuning "

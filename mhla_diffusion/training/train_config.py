@@ -59,7 +59,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
     max_steps: int = 1000  # optimizer steps
     learning_rate: float = 1e-4  # AdamW learning rate
-    mhla_learning_rate: float = 0.0  # the MHLA parameters' own rate (0: learning_rate); AdamW moves a logit ~rate/step
+    mhla_learning_rate: float = 0.0  # the MHLA parameters' own rate; 0: M x learning_rate per layer (M blocks: the paper's step on Mc itself)
     lr_scheduler: str = "constant_with_warmup"  # a diffusers.optimization scheduler name
     lr_warmup_steps: int = 0  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW weight decay
