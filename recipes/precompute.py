@@ -1,17 +1,17 @@
 #!/usr/bin/env python
 """Encode a recipe's raw data once into a latent cache, then train from it.
 
-    accelerate launch recipes/precompute.py --config recipes/configs/sana_1600m_t2i.yaml --out data/sana_cache
-    accelerate launch recipes/train.py --config recipes/configs/sana_1600m_t2i.yaml --data_dir data/sana_cache
+    accelerate launch recipes/precompute.py --config recipes/configs/sana_1600m_t2i_1024.yaml --out data/sana_cache
+    accelerate launch recipes/train.py --config recipes/configs/sana_1600m_t2i_1024.yaml --data_dir data/sana_cache
 
 Uses the recipe's pretrained, data_dir, resolution, num_frames, max_sequence_length,
 train_batch_size (encoding batch) and num_workers; other keys are accepted and ignored.
 
 Without a dataset, the original model's own samples make the cache (resumable: rerun the same command):
 
-    accelerate launch recipes/precompute.py --config recipes/configs/wan21_t2v_1_3b.yaml --out data/wan_teacher \
+    accelerate launch recipes/precompute.py --config recipes/configs/wan21_t2v_1_3b.yaml --out data/teacher_samples \
         --teacher_samples 2000 --prompts prompts.txt
-    accelerate launch recipes/train.py --config recipes/configs/wan21_t2v_1_3b.yaml --data_dir data/wan_teacher --distill_output 1.0
+    accelerate launch recipes/train.py --config recipes/configs/wan21_t2v_1_3b.yaml --config recipes/configs/teacher_only.yaml
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from mhla_diffusion.training.teacher_cache import write_teacher_cache
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="recipe YAML; any other --key value overrides one of its keys")
+    parser.add_argument("--config", action="append", help="recipe YAML; give it again to layer another on top (its keys win: "
+                        "a family's config, then configs/teacher_only.yaml); any other --key value overrides one of its keys")
     parser.add_argument("--out", required=True, help="new directory for the cache")
     teacher = parser.add_argument_group("teacher samples instead of a dataset")
     teacher.add_argument("--teacher_samples", type=int, default=0, help="samples of the original model to cache (0: encode data_dir)")

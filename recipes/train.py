@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from mhla_diffusion.conversion import converted_indices
 from mhla_diffusion.training import checkpoint, conditioning, context_parallel, data, distill, launch, model, objectives, validation
-from mhla_diffusion.training.train_config import config_reference, load_config, parse_overrides, save_config
+from mhla_diffusion.training.train_config import config_reference, config_source, load_config, parse_overrides, save_config
 
 log = logging.getLogger("mhla_diffusion.train")
 WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -45,7 +45,8 @@ def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="config keys (YAML, or --key value on the command line):\n" + config_reference())
-    parser.add_argument("--config", help="recipe YAML; any other --key value overrides one of its keys")
+    parser.add_argument("--config", action="append", help="recipe YAML; give it again to layer another on top (its keys win: "
+                        "a family's config, then configs/teacher_only.yaml); any other --key value overrides one of its keys")
     args, rest = parser.parse_known_args(argv)
     overrides = parse_overrides(rest)
     cfg = load_config(args.config, overrides)
@@ -89,7 +90,7 @@ def main(argv=None):
         raise ValueError(f"{len(dataset)} samples in {cfg.data_dir} are fewer than one optimizer step consumes "
                          f"(train_batch_size {cfg.train_batch_size} x gradient_accumulation_steps "
                          f"{cfg.gradient_accumulation_steps} x {accelerator.num_processes // cp_size} data-parallel "
-                         f"process(es), from {args.config or 'the recipe defaults'} and the command line): lower "
+                         f"process(es), from {config_source(args.config)} and the command line): lower "
                          "--train_batch_size or add data")
 
     distilling = bool(cfg.distill_output or cfg.distill_layers)

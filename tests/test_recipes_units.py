@@ -91,8 +91,19 @@ def test_bad_yaml_is_a_one_line_value_error(tmp_path):
 
 
 def test_all_shipped_configs_load():
+    overlay = REPO / "recipes" / "configs" / "teacher_only.yaml"  # layered on a family's config, not alone
     for path in sorted((REPO / "recipes" / "configs").glob("*.yaml")):
-        assert load_config(path).pretrained
+        assert load_config([path, overlay] if path != overlay else path, {"pretrained": "x"} if path == overlay else {}).pretrained
+
+
+def test_layered_configs_name_the_file_of_a_bad_key(tmp_path):
+    base, overlay = tmp_path / "base.yaml", tmp_path / "overlay.yaml"
+    base.write_text("pretrained: x\nlearning_rate: 1.0e-4\n")
+    overlay.write_text("learning_rate: 2.0e-5\nbogus: 1\n")
+    with pytest.raises(ValueError, match=r"overlay\.yaml.*'bogus'|'bogus'.*overlay\.yaml"):
+        load_config([base, overlay])
+    overlay.write_text("learning_rate: 2.0e-5\n")
+    assert load_config([base, overlay]).learning_rate == 2e-5 and load_config([overlay, base]).learning_rate == 1e-4
 
 
 def test_bad_inputs_fail_before_training(tmp_path, sana_dir, one_image):

@@ -12,7 +12,9 @@ from mhla_diffusion.training import conditioning, distill, model
 from mhla_diffusion.training.objectives import model_output
 from mhla_diffusion.training.train_config import load_config
 
-from test_recipes import launch, scalars
+from test_recipes import REPO, launch, scalars
+
+OVERLAY = REPO / "recipes" / "configs" / "teacher_only.yaml"  # the shipped teacher-only mode, for every family
 
 # (family, training resolution in pixels, extra arguments, the training run's guidance options)
 CASES = [("dit", "8", [], ["--uncond_prob", "1.0", "--train_mode", "full", "--learning_rate", "1e-3"]),
@@ -43,7 +45,7 @@ def test_teacher_only_cache_then_distillation(family, resolution, extra, guidanc
         assert files[2].is_file() and files[0].stat().st_mtime_ns == kept
 
     out = tmp_path / "out"
-    launch("train.py", *common, "--data_dir", cache, "--distill_output", "1.0", "--max_steps", "2",
+    launch("train.py", *common, "--config", OVERLAY, "--data_dir", cache, "--max_steps", "2",
            "--train_batch_size", "1", "--num_workers", "0", "--log_every", "1", "--output_dir", out, *guidance)
     assert len(scalars(out, "distill_output")) == 2
     pipe = mhla_diffusion.from_pretrained(out / "final")
@@ -161,3 +163,13 @@ def test_guided_target_and_the_unconditional_branch_is_trained(tmp_path):
         optimizer.step()
     student.eval()
     assert null_error() < 0.5 * before
+
+
+def test_the_teacher_only_overlay_layers_on_every_shipped_config():
+    """--config FAMILY.yaml --config teacher_only.yaml: the overlay's keys win, the family's others stay."""
+    bases = [p for p in sorted((REPO / "recipes" / "configs").glob("*.yaml")) if p != OVERLAY]
+    assert len(bases) >= 7
+    for base in bases:
+        alone, layered = load_config(base), load_config([base, OVERLAY])
+        assert (layered.data_dir, layered.distill_output, layered.uncond_prob) == ("data/teacher_samples", 1.0, 0.1)
+        assert (layered.pretrained, layered.learning_rate, layered.mhla_blocks) == (alone.pretrained, alone.learning_rate, alone.mhla_blocks)

@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from ..cli.main import debug_requested, report_errors
+from .train_config import config_source
 
 DROPPED_ON_RESUME = ("resume", "overwrite_output_dir")  # the resume command must not delete the run
 
@@ -37,7 +38,7 @@ def check_precision(config, overrides: dict, source) -> None:
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if launched not in ("no", config.mixed_precision) and "mixed_precision" not in overrides:
         raise ValueError(f"accelerate launch --mixed_precision {launched} disagrees with mixed_precision "
-                         f"{config.mixed_precision} from {source or 'the recipe defaults'}: pass --mixed_precision "
+                         f"{config.mixed_precision} from {config_source(source)}: pass --mixed_precision "
                          f"{launched} to the recipe as well (or change its config)")
 
 

@@ -207,22 +207,33 @@ def parse_overrides(argv: list[str]) -> dict:
     return out
 
 
+def config_paths(path) -> list[Path]:
+    """One YAML path, several (later ones override earlier ones' keys: a family's config with an overlay
+    such as configs/teacher_only.yaml on top), or none."""
+    return [] if not path else [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+
+
+def config_source(path) -> str:
+    """Where a run's keys came from, for messages."""
+    return " + ".join(map(str, config_paths(path))) or "the recipe defaults"
+
+
 def load_config(path=None, overrides: dict | None = None) -> TrainConfig:
-    """TrainConfig from a YAML file (optional) with `overrides` on top; errors name bad keys."""
+    """TrainConfig from YAML files (optional, `config_paths`) with `overrides` on top; errors name bad keys."""
     raw = {}
-    if path:
-        path = Path(path)
+    for path in config_paths(path):
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            layer = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
             where = getattr(err, "problem_mark", None)
             raise ValueError(f"{path} is not valid YAML: {getattr(err, 'problem', err)}"
                              + (f" (line {where.line + 1}, column {where.column + 1})" if where else "")) from None
-        if not isinstance(raw, dict):
+        if not isinstance(layer, dict):
             raise ValueError(f"{path}: expected a mapping of config keys")
-        _check_known(raw, str(path))
+        _check_known(layer, str(path))
+        raw.update(layer)
     overrides = overrides or {}
     _check_known(overrides, "command line")
     kinds = _field_types()
