@@ -205,6 +205,14 @@ def test_teacher_gets_the_students_labels(monkeypatch):
     assert all(m.dropout_prob == 0 for m in student.modules() if type(m).__name__ == "LabelEmbedding")
     dropped = torch.cat(seen) == 10  # the null class
     assert 0 < dropped.sum() < len(dropped) / 3
+    seen.clear()  # without a teacher (pre-training, data fine-tuning) labels drop the same way, once per sample
+    fresh = pixel_dit.build_dit(8, pixel_dit.ModelSize(1, 2, 8, 2), 1)
+    plain = fresh.forward
+    monkeypatch.setattr(fresh, "forward", lambda **kw: seen.append(kw["class_labels"]) or plain(**kw))
+    pixel_dit.train(fresh, images, labels, settings, 0, "t", False)
+    dropped = torch.cat(seen) == 10
+    assert 0 < dropped.sum() < len(dropped) / 3
+    assert all(m.dropout_prob == 0 for m in fresh.modules() if type(m).__name__ == "LabelEmbedding")
     inputs = {"hidden_states": torch.randn(2, 1, 8, 8), "timestep": torch.tensor([5, 500]), "class_labels": torch.tensor([1, 2])}
     seen.clear()
     guided = pixel_dit._distill_target(pixel_dit.Teacher(base, 2.0), inputs)

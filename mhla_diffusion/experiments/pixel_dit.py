@@ -59,7 +59,11 @@ def build_dit(resolution: int, size: ModelSize, seed: int):
         attention_bias=True)
 
 
-LABEL_DROPOUT = 0.1  # DiT's own class dropout (its label embedding's dropout_prob): the unconditional branch
+# DiT's class dropout rate (its label embedding's dropout_prob), the unconditional branch guidance samples:
+# drawn here once per sample, not by diffusers' DiT inside its forward, which drops labels independently in
+# every block's label embedding (a sample sees its class in some blocks and the null class in others, and
+# guidance's all-null input almost never; runs before 2026-12-01 15:00 trained that way).
+LABEL_DROPOUT = 0.1
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,8 @@ class Teacher:
     """Output distillation from a frozen `model` at the student's noisy input (weight 1).
 
     guidance None: both branches as CFG sampling evaluates them: the same labels, the same 10 % of
-    them dropped to the null class, go to teacher and student (DiT drops labels inside its forward
-    in train mode, independently per block and never in the eval-mode teacher, so the student's
-    own dropout is switched off: `stop_conditioning_dropout`). guidance g: the teacher's guided prediction
+    them dropped to the null class (`LABEL_DROPOUT`), go to teacher and student. guidance g: the
+    teacher's guided prediction
     uncond + g (cond - uncond) is the target of the student's conditional one (guidance
     distillation; the student then samples at guidance 1)."""
 
@@ -91,7 +94,8 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     """AdamW (wd 0) with linear warm-up, grad clipping and EMA, all parameters trained; the EMA
     weights end up in `model`. With a `teacher`, its prediction is a second target (`Teacher`).
     `at_step(step)` is called after each of `at_steps` with the EMA weights in `model` (eval mode),
-    for quality along the way. Returns the loss of every step."""
+    for quality along the way. Labels drop to the null class at `LABEL_DROPOUT`, once per sample (not
+    under a guided target, whose student samples at guidance 1). Returns the loss of every step."""
     from diffusers.training_utils import EMAModel
 
     device = next(model.parameters()).device
@@ -103,15 +107,14 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     ema = EMAModel(params, decay=settings.ema_decay, use_ema_warmup=True, power=3 / 4, foreach=True)
     images, labels = images.to(device), labels.to(device)
     torch.manual_seed(seed)
-    if teacher is not None:
-        DIT.stop_conditioning_dropout(model)  # the loop draws the dropped labels, the same for both
+    DIT.stop_conditioning_dropout(model)  # the loop draws the dropped labels
     model.train()
     losses = []
     for step in tqdm(range(1, settings.steps + 1), desc=desc, disable=not progress, mininterval=2):
         idx = torch.randint(0, len(labels), (settings.batch_size,), device=device)
         noisy = objective.noisy(images[idx])
         y = labels[idx]
-        if teacher is not None and teacher.guidance is None:
+        if teacher is None or teacher.guidance is None:
             y = torch.where(torch.rand(len(y), device=device) < LABEL_DROPOUT, NUM_CLASSES, y)
         inputs = DIT.transformer_inputs(model, noisy.model_input, noisy.timestep, {"class_label": y})
         out = model_output(model(**inputs))
