@@ -545,8 +545,9 @@ def _summary_buffer(shape, dtype, g: Geometry, device, zeros: bool) -> torch.Ten
     if zeros:
         return torch.zeros(shape, device=device, dtype=dtype)
     buf = torch.empty(shape, device=device, dtype=dtype)
-    buf[:g.m0].zero_()
-    buf[g.m0 + g.m_count:].zero_()
+    if g.m_count < g.M:  # a slice that misses some blocks (an unsharded call launches all of them)
+        buf[:g.m0].zero_()
+        buf[g.m0 + g.m_count:].zero_()
     return buf
 
 

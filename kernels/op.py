@@ -88,7 +88,7 @@ def mhla_summaries_bwd(
 
 @mhla_summaries_bwd.register_fake
 def _(ds, dz, k, v, *options):
-    return torch.empty_like(k), torch.empty_like(v)
+    return k.new_empty(k.shape), v.new_empty(v.shape)  # the launchers allocate contiguous gradients
 
 
 @torch.library.custom_op("mhla_diffusion::mhla_output", mutates_args=())
@@ -120,7 +120,7 @@ def mhla_output_bwd(
 
 @mhla_output_bwd.register_fake
 def _(do, q, mix, s, z, *options):
-    return torch.empty_like(q), torch.empty_like(mix), torch.empty_like(s), torch.empty_like(z)
+    return q.new_empty(q.shape), mix.new_empty(mix.shape), s.new_empty(s.shape), z.new_empty(z.shape)
 
 
 def _forward_only(name: str, launcher):

@@ -1,6 +1,6 @@
 """One-launch linear MHLA forward for short sequences (docs/MHLA.md, section 1), no autograd.
 
-At 1,024 tokens the linear path (`mhla.mhla_forward`: summary kernel, two mixing GEMMs, output kernel) is
+At 1,024 tokens the linear path (`op.mhla_linear`: summary kernel, mixing GEMMs, output kernel) is
 four launches of tiny latency-bound programs. Here one program per (batch*head, query block i, Dv tile)
 (several query blocks where heads are narrow) walks all N tokens of k and v in raster order, which sit in L2
 at these sizes, and accumulates the mixed summary directly, each token weighted by its block's mixing weight

@@ -116,7 +116,7 @@ def main(argv=None):
         if family.text:
             pipe.text_encoder.to(device, dtype=weight_dtype)
     guided = cfg.distill_guidance_scale != 1
-    uncond = (conditioning.unconditional(pipe, transformer, family, cfg.max_sequence_length, device)
+    uncond = (conditioning.unconditional(pipe, transformer, family, cfg.max_sequence_length, device, weight_dtype)
               if cfg.uncond_prob or guided else None)
     for other in model.other_experts(pipe, cfg) if cfg.validation_steps else []:  # frozen; validation samples with it
         other.requires_grad_(False).to(device, dtype=weight_dtype)

@@ -202,7 +202,7 @@ CASES = {
                                                                 normalize=False, feature="elu", rope=True),
     "dense rope normalized D=136 Dv=72": lambda: one_launch_case("dense", (2, 3, 5), (1, 2, 2), 1, 136, 72, batch=1,
                                                                 rope=True),
-    "dense fp16": lambda: one_launch_case("dense", (3, 4, 5), (2, 3, 2), 2, 16, 8, dtype=torch.float16, rope=True),
+    "dense fp16": lambda: one_launch_case("dense", (3, 4, 5), (2, 3, 2), 2, 16, 16, dtype=torch.float16, rope=True),
     # N = 70 tokens: one full 64-token tile of the walk over k, v and a partial one
     "short ragged relu normalized fused-qkv strides": lambda: one_launch_case("short", (2, 5, 7), (1, 2, 3), 2, 16, 16,
                                                                              fused_qkv=True),
@@ -211,7 +211,7 @@ CASES = {
     "short elu normalized D=136 Dv=72 (Dv tiles)": lambda: one_launch_case("short", (2, 3, 5), (1, 2, 2), 1, 136, 72,
                                                                           batch=1, feature="elu"),
     # 16-token tiles: 60 tokens walk in 4 tiles, the last partial; blocks of 4-8 tokens
-    "short fp16 rope 16-token tiles": lambda: one_launch_case("short", (3, 4, 5), (2, 3, 2), 2, 16, 8,
+    "short fp16 rope 16-token tiles": lambda: one_launch_case("short", (3, 4, 5), (2, 3, 2), 2, 16, 16,
                                                              dtype=torch.float16, rope=True, launch=SPLIT),
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),

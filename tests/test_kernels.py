@@ -107,6 +107,7 @@ REFUSALS = {  # what the Triton backend cannot take, and the words of its refusa
     "head dim D": (dict(d=12), {}, "D = 12 must be a multiple of 8"),
     "head dim D_v": (dict(dv=264), {}, "D_v = 264 must be a multiple of 8 up to 256"),
     "feature map": (dict(), dict(feature="cubed"), "feature maps \\('relu', 'elu'\\), not 'cubed'"),
+    "16-bit head dim": (dict(d=8, dtype=torch.bfloat16), {}, "D = 8 must be at least 16 in bfloat16"),
 }
 
 

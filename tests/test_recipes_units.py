@@ -227,8 +227,9 @@ def test_mhla_learning_rate_moves_the_mixing_matrices_further():
         cfg = load_config(None, {"pretrained": "x", "learning_rate": 1e-4, "mhla_learning_rate": mhla_lr})
         params = model.set_trainable(transformer, cfg)
         groups = model.param_groups(transformer, params, cfg.learning_rate, cfg.mhla_learning_rate)
-        assert [g["lr"] for g in groups] == pytest.approx([1e-4, rate])
-        assert {id(p) for p in groups[1]["params"]} == {id(p) for p in model.mhla_parameters(transformer)}
+        assert [g["lr"] for g in groups] == pytest.approx([1e-4] if rate == 1e-4 else [1e-4, rate])
+        logits = {id(p) for proc in model.mhla_modules(transformer).values() for p in proc.mixing.parameters()}
+        assert rate == 1e-4 or {id(p) for p in groups[1]["params"]} == logits
         opt = torch.optim.AdamW(groups, weight_decay=0.0)
         for step in range(20):
             opt.zero_grad()
@@ -292,3 +293,30 @@ def test_attention_tap_keeps_the_forward_outputs_under_gradient_checkpointing():
     kept = dict(tap.outputs)
     (out.square().mean() + sum(t.square().mean() for t in kept.values())).backward()
     assert tap.outputs.keys() == kept.keys() and all(tap.outputs[i] is kept[i] for i in kept)
+
+
+def test_a_checkpoint_older_than_a_resume_key_resumes_with_the_value_it_trained_with():
+    """train_config.yaml of a run made before uncond_prob / distill_guidance_scale existed: those runs trained
+    without unconditional samples and without a guided target; resuming says so instead of 'None'."""
+    from mhla_diffusion.training.train_config import RESUME_KEYS, resume_mismatch, to_dict
+
+    old = {k: v for k, v in to_dict(load_config(None, {"pretrained": "x"})).items()
+           if k in RESUME_KEYS and k not in ("uncond_prob", "distill_guidance_scale")}
+    assert resume_mismatch(load_config(None, {"pretrained": "x"}), old) == ["uncond_prob: 0.0 -> 0.1"]
+    assert resume_mismatch(load_config(None, {"pretrained": "x", "uncond_prob": 0}), old) == []
+
+
+def test_the_default_mhla_rate_scales_the_mixing_logits_only():
+    """M x learning_rate is an argument about the row-softmax logits: an output gate (a dense layer) and the
+    output norm's gains stay at learning_rate unless mhla_learning_rate names a rate for all of them."""
+    transformer = zoo.build_transformer("dit")
+    convert(transformer, default_config(transformer, blocks=(1, 2, 2), output_gate=True, output_norm=True))
+    params = [p for p in transformer.parameters()]
+    rate = {id(p): g["lr"] for g in model.param_groups(transformer, params, 1e-4) for p in g["params"]}
+    for proc in model.mhla_modules(transformer).values():
+        logits = {id(p) for p in proc.mixing.parameters()}
+        others = [p for p in proc.parameters() if id(p) not in logits]
+        assert others and all(rate[id(p)] == 1e-4 for p in others)
+        assert all(rate[i] == pytest.approx(4e-4) for i in logits)
+    rate = {id(p): g["lr"] for g in model.param_groups(transformer, params, 1e-4, 1e-2) for p in g["params"]}
+    assert all(rate[id(p)] == 1e-2 for p in model.mhla_parameters(transformer))

@@ -99,15 +99,18 @@ def test_teacher_and_student_get_the_pipelines_unconditional_input(tmp_path):
     """The unconditional input is the one the pipeline's guidance evaluates (DiT: the null class, the text
     families: the empty negative prompt), and it replaces the conditioning of the chosen samples only."""
     dit = zoo.build_transformer("dit")
-    uncond = conditioning.unconditional(None, dit, family_of(dit), 0, "cpu")
+    uncond = conditioning.unconditional(None, dit, family_of(dit), 0, "cpu", torch.float32)
     labels = torch.tensor([3, 5, 7])
     dropped = conditioning.drop_conditioning({"class_label": labels}, uncond, torch.tensor([False, True, False]))
     assert dropped["class_label"].tolist() == [3, 1000, 7]
 
     pipe = zoo.build_pipeline("pixart")
-    uncond = conditioning.unconditional(pipe, pipe.transformer, family_of(pipe.transformer), 16, "cpu")
+    uncond = conditioning.unconditional(pipe, pipe.transformer, family_of(pipe.transformer), 16, "cpu", torch.float32)
     _, _, negative, negative_mask = pipe.encode_prompt("a red cat", negative_prompt="", max_sequence_length=16)
     assert torch.equal(uncond["prompt_embeds"], negative) and torch.equal(uncond["prompt_attention_mask"], negative_mask)
+    pipe.text_encoder.to(torch.bfloat16)  # encoded where training runs, in its dtype; the encoder stays where it was
+    assert conditioning.unconditional(pipe, pipe.transformer, family_of(pipe.transformer), 16, "cpu", torch.float32)["prompt_embeds"].dtype == torch.float32
+    assert pipe.text_encoder.device.type == "cpu" and pipe.text_encoder.dtype == torch.float32
     embeds, mask = conditioning.encode_text(pipe, ["a red cat", "a small house"], 16, "cpu")
     batch = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "latents_mean": torch.zeros(2, 4, 8, 8)}
     dropped = conditioning.drop_conditioning(batch, uncond, torch.tensor([True, False]))
@@ -115,9 +118,9 @@ def test_teacher_and_student_get_the_pipelines_unconditional_input(tmp_path):
     assert torch.equal(dropped["prompt_attention_mask"][0], negative_mask[0]) and dropped["latents_mean"] is batch["latents_mean"]
     with pytest.raises(ValueError, match="set max_sequence_length to the one the latent cache was made with"):
         conditioning.drop_conditioning(batch, conditioning.unconditional(pipe, pipe.transformer, family_of(pipe.transformer),
-                                                                         8, "cpu"), torch.tensor([True, False]))
+                                                                         8, "cpu", torch.float32), torch.tensor([True, False]))
     with pytest.raises(ValueError, match="a bare transformer has no text encoder"):
-        conditioning.unconditional(None, pipe.transformer, family_of(pipe.transformer), 16, "cpu")
+        conditioning.unconditional(None, pipe.transformer, family_of(pipe.transformer), 16, "cpu", torch.float32)
 
 
 def test_guided_target_and_the_unconditional_branch_is_trained(tmp_path):
@@ -130,7 +133,7 @@ def test_guided_target_and_the_unconditional_branch_is_trained(tmp_path):
     teacher = distill.build_teacher(student, model.frozen_parameter_ids(student, cfg))
     model.convert_model(student, model.mhla_config(student, cfg, (4, 8, 8)))
     params = model.set_trainable(student, cfg)
-    uncond = conditioning.unconditional(None, student, fam, 0, "cpu")
+    uncond = conditioning.unconditional(None, student, fam, 0, "cpu", torch.float32)
     gen = torch.Generator().manual_seed(0)
     xt, t = torch.randn(8, 4, 8, 8, generator=gen), torch.randint(0, 1000, (8,), generator=gen)
     batch = {"class_label": torch.arange(8)}

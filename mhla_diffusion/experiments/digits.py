@@ -537,7 +537,8 @@ def run_seeds_in_parallel(argv: list[str], out: Path, s: Settings, jobs: int, re
             cmd = [sys.executable, "-m", "mhla_diffusion.experiments.digits", *argv,
                    "--out", str(child), "--only-seed", str(seed), "--jobs", "1", "--no-progress"]
             procs.append(subprocess.Popen(cmd))
-        rc = max([rc, *(p.wait() for p in procs)])
+        codes = [p.wait() for p in procs]  # negative: killed by a signal (the OOM killer's -9)
+        rc = rc or next((code for code in codes if code), 0)
         merge_seed_results(out, s, results)
     return rc
 
@@ -614,8 +615,8 @@ def main(argv=None) -> int:
     results.data["wall_s"] = time.perf_counter() - t0
     write_report(out, s, results)
     if rc:
-        print(f"error: a seed's process failed (exit {rc}); rerun the same command to resume", file=sys.stderr)
-        return rc
+        print(f"error: a seed's process failed (exit status {rc}); rerun the same command to resume", file=sys.stderr)
+        return rc if rc > 0 else 1
     print(f"[digits] done in {time.perf_counter() - t0:.1f} s: {out / 'results.md'}", flush=True)
     return 0
 

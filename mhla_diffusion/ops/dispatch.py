@@ -68,9 +68,12 @@ def _triton_dtype(q, k, v, geometry, options):
 
 def _triton_head_dims(q, k, v, geometry, options):
     step, top = triton_caps.HEAD_DIM_MULTIPLE, triton_caps.MAX_HEAD_DIM
+    low = triton_caps.MIN_HEAD_DIM_16BIT if q.element_size() == 2 else step
     for name, dim in (("D", q.shape[-1]), ("D_v", v.shape[-1])):
         if dim % step or dim > top:
             return f"head dim {name} = {dim} must be a multiple of {step} up to {top}"
+        if dim < low:
+            return f"head dim {name} = {dim} must be at least {low} in {str(q.dtype).replace('torch.', '')} (16-bit tensor-core products)"
     return None
 
 

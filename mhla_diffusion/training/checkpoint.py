@@ -63,7 +63,8 @@ def find_resume(config) -> Path | None:
     saved = yaml.safe_load((path / "train_config.yaml").read_text())
     diff = resume_mismatch(config, saved)
     if diff:
-        raise ValueError(f"checkpoint {path} was written by a different recipe; differing keys: {'; '.join(diff)}")
+        raise ValueError(f"checkpoint {path} was written by a different recipe; differing keys: {'; '.join(diff)} "
+                         "(to resume it, give the checkpoint's values: --key value)")
     return path
 
 

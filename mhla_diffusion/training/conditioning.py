@@ -57,14 +57,20 @@ def encode_text(pipe, captions: list[str], max_sequence_length: int, device) -> 
     return embeds.float(), mask
 
 
-def unconditional(pipe, transformer, family, max_sequence_length: int, device) -> dict:
+def unconditional(pipe, transformer, family, max_sequence_length: int, device, dtype) -> dict:
     """The input of the unconditional branch of classifier-free guidance (`family.unconditional`) on `device`;
-    the text families' empty prompt is encoded once, by the pipeline's text encoder where it is."""
+    the text families' empty prompt is encoded once, by the pipeline's text encoder on `device` in `dtype` (a
+    CPU encode of UMT5-XXL takes minutes per rank); an encoder that was elsewhere goes back there, in `dtype`."""
     def encode(prompts):
         if pipe is None:
             raise ValueError("a bare transformer has no text encoder for the empty prompt of classifier-free guidance: "
                              "give its pipeline as pretrained, or set uncond_prob 0 and distill_guidance_scale 1")
-        return encode_text(pipe, prompts, max_sequence_length, pipe.text_encoder.device)
+        home = pipe.text_encoder.device
+        pipe.text_encoder.to(device, dtype=dtype)
+        try:
+            return encode_text(pipe, prompts, max_sequence_length, device)
+        finally:
+            pipe.text_encoder.to(home)
 
     return {k: v.to(device) for k, v in family.unconditional(transformer, encode).items()}
 

@@ -257,10 +257,16 @@ RESUME_KEYS = ("pretrained", "component", "mhla_blocks", "mhla_layers", "mhla_op
                "train_batch_size", "gradient_accumulation_steps", "data_dir", "resolution", "num_frames")
 
 
+# What a checkpoint written before a resume-relevant key existed trained with (its train_config.yaml lacks the key).
+BEFORE_KEY_EXISTED = {"uncond_prob": 0.0, "distill_guidance_scale": 1.0}
+
+
 def resume_mismatch(config: TrainConfig, saved: dict) -> list[str]:
-    """'key: saved -> now' for each resume-relevant key that differs."""
+    """'key: saved -> now' for each resume-relevant key that differs (a key the checkpoint predates counts as the
+    value it trained with: resume it with `--key value`)."""
     now = to_dict(config)
-    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in RESUME_KEYS if saved.get(k) != now[k]]
+    was = {k: saved.get(k, BEFORE_KEY_EXISTED.get(k)) for k in RESUME_KEYS}
+    return [f"{k}: {was[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if was[k] != now[k]]
 
 
 __all__ = ["TrainConfig", "load_config", "parse_overrides", "save_config", "resume_mismatch", "to_dict"]
