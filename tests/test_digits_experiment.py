@@ -188,6 +188,11 @@ def test_seeds_in_parallel_processes_give_the_serial_results(tmp_path, toy_run):
     assert "seeds in 2 parallel processes" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "samples_mhla_finetuned.png").is_file()  # the first seed's grids
 
+    # a run made without --jobs goes on with it: its finished seeds are not redone
+    again = run("--preset", "toy", "--out", out, "--device", "cpu", "--no-progress", "--jobs", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "finetune" not in again.stdout and json.loads((out / "results.json").read_text())["runs"] == serial
+
 
 def test_teacher_gets_the_students_labels(monkeypatch):
     """Teacher-only training: the labels the loop drops (10 %) reach teacher and student alike, and

@@ -532,6 +532,11 @@ def run_seeds_in_parallel(argv: list[str], out: Path, s: Settings, jobs: int, re
         for seed in s.seeds[first:first + jobs]:
             child = out / "seeds" / str(seed)
             child.mkdir(parents=True, exist_ok=True)
+            if not (child / "results.json").exists():  # what a run without --jobs already did for this seed stays done
+                started = Results(child / "results.json", {})
+                started.data["runs"] = {k: {str(seed): v[str(seed)]} for k, v in results.data["runs"].items() if str(seed) in v}
+                started.data["curves"] = {k: v for k, v in results.data["curves"].items() if k.endswith(f"/seed{seed}")}
+                started.save()
             if not (child / "checkpoints").exists():
                 (child / "checkpoints").symlink_to((out / "checkpoints").resolve(), target_is_directory=True)
             cmd = [sys.executable, "-m", "mhla_diffusion.experiments.digits", *argv,
