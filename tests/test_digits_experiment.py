@@ -91,6 +91,12 @@ def test_rerun_resumes_and_refuses_other_settings(toy_run, capsys):
     assert redone["accuracy"] == before["mhla/finetuned"][last]["accuracy"]
     assert main(["--preset", "toy", "--out", str(out), "--device", "cpu", "--finetune-steps", "3"]) == 2
     assert "finetune_steps differ" in capsys.readouterr().err
+    pinned = json.loads((out / "settings.json").read_text())
+    old = {k: v for k, v in pinned.items() if k != "label_dropout"}  # a dir made before the label-dropout fix
+    (out / "settings.json").write_text(json.dumps(old))
+    assert main(["--preset", "toy", "--out", str(out), "--device", "cpu"]) == 2
+    assert "label_dropout differ" in capsys.readouterr().err
+    (out / "settings.json").write_text(json.dumps(pinned))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -583,6 +583,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     pinned = json.loads(json.dumps({k: v for k, v in asdict(s).items()
                                     if k != "seeds" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}))
+    pinned["label_dropout"] = "once per sample"  # out dirs trained with diffusers' per-block dropout are refused
     try:
         pin_settings(out, pinned, "digits results")  # more seeds may be added to a finished run, nothing else
     except ValueError as e:
