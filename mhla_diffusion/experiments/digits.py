@@ -468,20 +468,24 @@ def data_free_phase(base, judge: Judge, seed: int, s: Settings, results: Results
 
     teacher_labels = s.class_labels(s.teacher_samples)
     teacher_images = None
+    transferred = {}  # variant -> its transferred model, for the runs that start from it (MHLA: both targets)
     runs = [(v, "teacher", None) for v in DATA_FREE] + ([("mhla", "teacher_guided", s.guidance)] if s.guided_target else [])
     for variant, kind, guidance in runs:
         if results.done(f"{variant}/transferred", seed) and results.done(f"{variant}/{kind}", seed):
             continue
-        model = copy.deepcopy(base)
-        fit_labels = s.class_labels(4 * NUM_CLASSES)
-        with timed(results, f"transfer {variant}"):
-            fits = transfer(model, default_config(model, blocks=variant_blocks(s)[variant]),
-                            lambda: pixel_dit.sample(model, fit_labels, s.sampling_steps, s.guidance, seed + 2000),
-                            keep=16, steps=s.transfer_steps, lr=1e-2, projection_lr=s.finetune_lr * 10, seed=seed,
-                            progress=progress)
-        if not results.done(f"{variant}/transferred", seed):
-            evaluate(results, judge, model, f"{variant}/transferred", seed, s, out,
-                     {"finetune_steps": 0, "layers": [{"layer": f.name, "before": f.before, "after": f.after} for f in fits]})
+        if variant not in transferred:
+            model = copy.deepcopy(base)
+            fit_labels = s.class_labels(4 * NUM_CLASSES)
+            with timed(results, f"transfer {variant}"):
+                fits = transfer(model, default_config(model, blocks=variant_blocks(s)[variant]),
+                                lambda: pixel_dit.sample(model, fit_labels, s.sampling_steps, s.guidance, seed + 2000),
+                                keep=16, steps=s.transfer_steps, lr=1e-2, projection_lr=s.finetune_lr * 10, seed=seed,
+                                progress=progress)
+            if not results.done(f"{variant}/transferred", seed):
+                evaluate(results, judge, model, f"{variant}/transferred", seed, s, out,
+                         {"finetune_steps": 0, "layers": [{"layer": f.name, "before": f.before, "after": f.after} for f in fits]})
+            transferred[variant] = model
+        model = copy.deepcopy(transferred[variant])
         if teacher_images is None:
             with timed(results, "teacher samples"):
                 teacher_images = pixel_dit.sample(base, teacher_labels, s.sampling_steps, s.guidance, seed + 1000)
