@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..families import family_by_name
+from ..training.distill import teacher_prediction
 from ..training.model import param_groups
 from ..training.objectives import DDPMObjective, model_output
 from .digits_data import NUM_CLASSES
@@ -81,12 +82,10 @@ class Teacher:
 
 
 def _distill_target(teacher: Teacher, inputs: dict) -> torch.Tensor:
+    """The recipes' target (`distill.teacher_prediction`), the null class as the unconditional input."""
+    null = None if teacher.guidance is None else {**inputs, "class_labels": torch.full_like(inputs["class_labels"], NUM_CLASSES)}
     with torch.no_grad():
-        cond = model_output(teacher.model(**inputs))
-        if teacher.guidance is None:
-            return cond
-        uncond = model_output(teacher.model(**{**inputs, "class_labels": torch.full_like(inputs["class_labels"], NUM_CLASSES)}))
-        return uncond + teacher.guidance * (cond - uncond)
+        return teacher_prediction(teacher.model, inputs, null, teacher.guidance or 1.0)
 
 
 def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, progress: bool = True,
