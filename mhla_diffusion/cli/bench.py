@@ -387,14 +387,15 @@ def _progress(row: dict) -> str:
     return f"[{row['shape']}{where}] " + ", ".join(cells)
 
 
-def _check_table(results: list[dict]) -> str:
-    lines = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | o no-grad | ok |", "|---" * 12 + "|"]
-    for r in results:
-        e = r["errors"]
-        errs = " | ".join(f"{e[x]:.1e}" for x in ("o", "dq", "dk", "dv", "dmix", "o no-grad"))
-        lines.append(f"| {r['case']} | {r['dtype']} | {r['N']:,} | {r['M']} | {r['heads']} x {r['D']}/{r['Dv']} "
-                     f"| {errs} | {'yes' if r['ok'] else 'NO'} |")
-    return "\n".join(lines)
+CHECK_HEADER = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | o no-grad | o short | ok |",
+                "|---" * 13 + "|"]
+
+
+def _check_row(r: dict) -> str:
+    e = r["errors"]
+    errs = " | ".join(f"{e[x]:.1e}" if x in e else "—" for x in ("o", "dq", "dk", "dv", "dmix", "o no-grad", "o short"))
+    return (f"| {r['case']} | {r['dtype']} | {r['N']:,} | {r['M']} | {r['heads']} x {r['D']}/{r['Dv']} "
+            f"| {errs} | {'yes' if r['ok'] else 'NO'} |")
 
 
 def run_op(args: argparse.Namespace) -> int:
@@ -407,9 +408,11 @@ def run_op(args: argparse.Namespace) -> int:
     if args.check:
         from ..ops.check import run_checks
 
-        report["check"] = run_checks()
+        if not args.json:  # each case's row as it finishes: a run cut short still says what it checked
+            print("\n".join(CHECK_HEADER), flush=True)
+        report["check"] = run_checks(on_result=None if args.json else lambda r: print(_check_row(r), flush=True))
         if not args.json:
-            print(_check_table(report["check"]), end="\n\n", flush=True)
+            print(flush=True)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
     if args.shard:
         report["shard_rows"] = []

@@ -136,11 +136,14 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
             "Dv": dv, "errors": errors, "worst": worst, "ok": worst < TOLERANCE[dtype]}
 
 
-def run_checks(dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
-    """Every case in every dtype (minutes at real sizes: a progress bar on stderr)."""
+def run_checks(dtypes=(torch.bfloat16, torch.float32), on_result=None) -> list[dict]:
+    """Every case in every dtype (minutes at real sizes: a progress bar on stderr), each result handed to
+    `on_result` as it is made."""
     torch.manual_seed(0)
     results = []
     for case, dtype in tqdm([(c, dt) for c in CASES for dt in dtypes], desc="bench op --check", unit="case"):
         results.append(check_case(*case, dtype))
+        if on_result is not None:
+            on_result(results[-1])
         torch.cuda.empty_cache()
     return results
