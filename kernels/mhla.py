@@ -185,27 +185,16 @@ def _rope_t(g, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BN: tl.constexp
 
 
 @triton.jit
-def _spread(x, w, BN: tl.constexpr, BD: tl.constexpr, SLOTS: tl.constexpr):
-    """(BN, BD) tile x times weights w (BN or 1, SLOTS), copies side by side: (BN, SLOTS * BD), slot-major."""
-    return tl.reshape(x[:, None, :] * w[:, :, None], (BN, SLOTS * BD))
-
-
-@triton.jit
 def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, sqn, scn, scd, son, mat, zt, eps, t0, h0, w0, lh, lw, r0, r1, H, W,
-                   START, d, mask_d, e, mask_e, slot, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr,
-                   ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   START, d, mask_d, e, mask_e, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ELU: tl.constexpr,
+                   ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """o = rope(phi(q)) mat [/ (phi(q) . zt + eps)] for the tokens [r0, r1) (raster order inside the block) of one
-    block whose mixed summary (mat, zt) the program holds; shared by `_output_kernel` and kernels/short.py, whose
-    programs hold SLOTS blocks' summaries stacked along D (this block's in `slot`)."""
+    block whose mixed summary (mat, zt) the program holds: `_output_kernel`'s token loop."""
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
-        if SLOTS > 1:  # the features in this block's slot, zeros in the others
-            pick = tl.where(tl.arange(0, SLOTS) == slot, 1.0, 0.0)[None, :]
-            fx, rx = _spread(fx, pick, BLOCK_N, BLOCK_D, SLOTS), _spread(rx, pick, BLOCK_N, BLOCK_D, SLOTS)
         out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
         if NORMALIZE:
             out = out / (tl.sum(fx * zt[None, :], axis=1) + eps)[:, None]
@@ -295,7 +284,7 @@ def _output_kernel(
     mat = mat.to(DOT)
     zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
     _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, sqn, scn, scd, son, mat, zt, eps, t0, h0, w0, lh, lw, r0, r1, H, W,
-                   START, d, mask_d, e, mask_e, 0, BLOCK_N, BLOCK_D, 1, ELU, ROPE, NORMALIZE, DOT, PRECISION)
+                   START, d, mask_d, e, mask_e, BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, DOT, PRECISION)
 
 
 @triton.jit
@@ -495,7 +484,6 @@ CONFIG = {
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "dense": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
-    "short": {"block_n": 32, "num_warps": 8, "num_stages": 3, "maxnreg": 128},  # kernels/short.py (not tuned on a GPU)
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
 # memory per token tile than the plain kernel).

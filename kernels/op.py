@@ -6,8 +6,8 @@ so that a context-parallel call can sum one rank's partial summaries over the ra
 differentiable all-reduce, whose backward sums the summaries' gradients the same way before the
 summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) with nothing between.
 Besides the inputs, the backward keeps only S and z. Gradients flow to q, k, v and mix; RoPE tables get none.
-`mhla_dense` (dense formula) and `mhla_short` (one-launch linear) are forward-only small-N kernels, taken when no
-gradient is needed by calls that hold the whole grid.
+`mhla_dense` (dense formula, one launch) is the forward-only small-N kernel, taken when no gradient is needed by
+calls that hold the whole grid.
 The ops take the call's block geometry, token slice and options flattened by `op_args` (torch.library
 schemas take ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
 """
@@ -18,17 +18,13 @@ from typing import Optional
 import torch
 
 from ..blocks import block_geometry
-from . import mhla, short
+from . import mhla
 from .capabilities import FEATURES
 
 # Forward calls that need no gradient take the one-launch dense kernel up to this many tokens.
 # H200, bf16, GPU time dense vs linear path: 16 heads x 72 at N = 256 0.034 vs 0.061 ms (eager 0.18
 # vs 0.33), at N = 1,024 0.156 vs 0.151, at N = 4,096 2.92 vs 0.36; 70 x 32 at N = 1,024 0.36 vs 0.09.
 DENSE_MAX_TOKENS = 256
-# Above that, up to this many tokens, they take the one-launch linear kernel (kernels/short.py), whose work grows
-# as M x N. Off (= DENSE_MAX_TOKENS) until measured on a GPU: `bench op` times the dense, short and linear
-# forwards side by side, and `bench op --check` runs the short kernel on every case up to 4,096 tokens.
-SHORT_MAX_TOKENS = DENSE_MAX_TOKENS
 
 
 def op_args(geometry, options, start: int = 0) -> tuple:
@@ -123,26 +119,22 @@ def _(do, q, mix, s, z, *options):
     return q.new_empty(q.shape), mix.new_empty(mix.shape), s.new_empty(s.shape), z.new_empty(z.shape)
 
 
-def _forward_only(name: str, launcher):
-    """A forward-only custom op (no autograd registered) running one of the one-launch kernels, for the
-    dispatcher's calls that need no gradient."""
-
-    def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
-        cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-        geometry: list[int], normalize: bool, eps: float, feature: str,
-    ) -> torch.Tensor:
-        g, kw = _decode(q, v, geometry, normalize, eps, feature)
-        q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-        return launcher(q, k, v, mix, _rope(cos, sin), g, **kw)
-
-    op = torch.library.custom_op(f"mhla_diffusion::{name}", forward, mutates_args=())
-    op.register_fake(lambda q, k, v, mix, cos, sin, *options: q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype))
-    return op
+@torch.library.custom_op("mhla_diffusion::mhla_dense", mutates_args=())
+def mhla_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    geometry: list[int], normalize: bool, eps: float, feature: str,
+) -> torch.Tensor:
+    """The O(N^2) dense formula in one launch, forward only (no autograd registered): the dispatcher's calls that
+    need no gradient."""
+    g, kw = _decode(q, v, geometry, normalize, eps, feature)
+    q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+    return mhla.dense_output(q, k, v, mix, _rope(cos, sin), g, **kw)
 
 
-mhla_dense = _forward_only("mhla_dense", mhla.dense_output)  # O(N^2) dense formula, one launch
-mhla_short = _forward_only("mhla_short", short.short_output)  # linear, one kernel (kernels/short.py)
+@mhla_dense.register_fake
+def _(q, k, v, mix, cos, sin, *options):
+    return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
 
 
 def _save_summaries_inputs(ctx, inputs, output):
@@ -216,6 +208,4 @@ def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, r
     whole = q.shape[1] == geometry.num_tokens
     if not needs_grad and whole and q.shape[1] <= DENSE_MAX_TOKENS:
         return mhla_dense(q, k, v, mix, cos, sin, *args)
-    if not needs_grad and whole and q.shape[1] <= SHORT_MAX_TOKENS:
-        return mhla_short(q, k, v, mix, cos, sin, *args)
     return mhla_linear(q, k, v, mix, cos, sin, args, reduce)

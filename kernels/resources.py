@@ -26,12 +26,12 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import mhla, short
+from . import mhla
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars, mixing matrix). Summaries S, S~
 # (state_dtype) and, since op._table, RoPE tables are bf16 for bf16 inputs.
-FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr", "wt_ptr"}
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr"}
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
 DIVISIBLE = re.compile(r"^(s[a-z]*[bnh]|D|DV)$")
 INSTRUCTIONS = ("HGMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
@@ -53,9 +53,6 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
     "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
         DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
-    "short": (short._short_kernel, "short", dict(DV_TILES=1, QUERY_BLOCKS=1, ELU=False, ROPE=False, NORMALIZE=True)),
-    "short rope": (short._short_kernel, "short", dict(  # as Wan uses it: RoPE, unnormalized
-        DV_TILES=1, QUERY_BLOCKS=1, ELU=False, ROPE=True, NORMALIZE=False)),
 }
 
 

@@ -35,10 +35,6 @@ CASES = [
     "dense elu rope unnormalized Dv!=D",
     "dense rope normalized D=136 Dv=72",
     "dense fp16",
-    "short ragged relu normalized fused-qkv strides",
-    "short elu rope unnormalized Dv!=D",
-    "short elu normalized D=136 Dv=72 (Dv tiles)",
-    "short fp16 rope 16-token tiles",
     "stages",
     "stages split programs",
     "torch.compile fullgraph",
@@ -165,8 +161,7 @@ def test_unknown_backend_is_rejected():
 def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     """`kernels/resources.py` compiles every token kernel for sm_90 on this CPU-only machine and reads the
     binaries: all run on wgmma, and the bf16 forward summary keeps to 128 registers (two programs per SM)
-    with async-copy loads and nothing spilled, the property its launch config was tuned for (so does the short
-    kernel, at the same settings)."""
+    with async-copy loads and nothing spilled, the property its launch config was tuned for."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -181,9 +176,6 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(forward["LDGSTS"]) > 0 and int(forward["LDG.E.U16"]) == 0
     # the RoPE dk/dv kernel spilled 1,240 bytes at 4 warps and 2 stages; its own launch options keep it in registers
     assert int(rows["grad dk dv rope"]["stack B"]) == 0 and int(rows["grad dk dv rope"]["LDL"]) == 0
-    # the one-launch short kernel at the summary kernel's settings: two programs per SM, nothing spilled
-    for name in ("short", "short rope"):
-        assert int(rows[name]["regs"]) <= 128 and int(rows[name]["stack B"]) == 0 and int(rows[name]["LDL"]) == 0
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
 
 
@@ -219,7 +211,7 @@ def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, monkeypatc
         seen.update(cos=cos.dtype, sin=sin.dtype)
         return torch.zeros_like(v)
 
-    for path in ("mhla_linear", "mhla_dense", "mhla_short"):  # whichever path the call's size takes
+    for path in ("mhla_linear", "mhla_dense"):  # whichever path the call's size takes
         monkeypatch.setattr(op, path, fake_linear)
     q = torch.randn(1, 512, 2, 8).to(dtype)
     angle = torch.rand(1, 512, 1, 8)

@@ -246,9 +246,9 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
             torch.cuda.empty_cache()
     row.update(ratios(row))
     if n <= NO_GRAD_PATHS_MAX_TOKENS and (not impls or "mhla" in impls):
-        # every path a no-grad forward can take, side by side: op.DENSE_MAX_TOKENS and SHORT_MAX_TOKENS are set from it
+        # every path a no-grad forward can take, side by side: op.DENSE_MAX_TOKENS is set from it
         options = (None, None, *op.op_args(geometry, MHLAOptions()))
-        paths = {"dense": op.mhla_dense, "short": op.mhla_short, "linear": lambda q, k, v, mix, cos, sin, *args: op.mhla_linear(q, k, v, mix, cos, sin, args)}
+        paths = {"dense": op.mhla_dense, "linear": lambda q, k, v, mix, cos, sin, *args: op.mhla_linear(q, k, v, mix, cos, sin, args)}
         row["no_grad_fwd_ms"] = {name: _time_op(do_bench_cudagraph, lambda q, k, v, mix, f=f: f(q, k, v, mix, *options),
                                                 leaves, do, False) for name, f in paths.items()}
     if profile:
@@ -366,12 +366,11 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
             lines.append("| " + " | ".join(cells) + " |")
     small = [r for r in rows if "no_grad_fwd_ms" in r]
     if small:
-        lines += ["", "Forward without gradients at small N (GPU time, CUDA graph): the one-launch dense and short "
-                  "kernels and the linear path (the op takes dense up to DENSE_MAX_TOKENS, short up to "
-                  "SHORT_MAX_TOKENS; 'MHLA' is what it took).", "",
-                  "| shape | N | M | dense | short | linear | MHLA | cuDNN |", "|---" * 8 + "|"]
+        lines += ["", "Forward without gradients at small N (GPU time, CUDA graph): the one-launch dense kernel and "
+                  "the linear path (the op takes dense up to DENSE_MAX_TOKENS; 'MHLA' is what it took).", "",
+                  "| shape | N | M | dense | linear | MHLA | cuDNN |", "|---" * 7 + "|"]
         lines += [f"| {r['shape']} | {r['N']:,} | {r['M']} | " + " | ".join(f"{r['no_grad_fwd_ms'][p]:.3f}" for p in
-                  ("dense", "short", "linear")) + f" | {_cell(r['times']['mhla']['fwd'])} "
+                  ("dense", "linear")) + f" | {_cell(r['times']['mhla']['fwd'])} "
                   f"| {_cell(r['times'].get('cudnn', {}).get('fwd'))} |" for r in small]
     errors = [f"{r['shape']} {n} {key}: {t['error']}" for r in rows for n, ts in r["times"].items()
               for key, t in ts.items() if "error" in t]
@@ -387,13 +386,13 @@ def _progress(row: dict) -> str:
     return f"[{row['shape']}{where}] " + ", ".join(cells)
 
 
-CHECK_HEADER = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | o no-grad | o short | ok |",
-                "|---" * 13 + "|"]
+CHECK_HEADER = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | o no-grad | ok |",
+                "|---" * 12 + "|"]
 
 
 def _check_row(r: dict) -> str:
     e = r["errors"]
-    errs = " | ".join(f"{e[x]:.1e}" if x in e else "—" for x in ("o", "dq", "dk", "dv", "dmix", "o no-grad", "o short"))
+    errs = " | ".join(f"{e[x]:.1e}" for x in ("o", "dq", "dk", "dv", "dmix", "o no-grad"))
     return (f"| {r['case']} | {r['dtype']} | {r['N']:,} | {r['M']} | {r['heads']} x {r['D']}/{r['Dv']} "
             f"| {errs} | {'yes' if r['ok'] else 'NO'} |")
 

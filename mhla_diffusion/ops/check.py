@@ -3,7 +3,7 @@
 Run through `mhla-diffusion bench op --check`. For each case: fresh random inputs, output and
 gradient buffers poisoned with NaN beforehand (the caching allocator hands the poisoned blocks
 back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix and of the
-no-grad forward (the one-launch dense or short kernel at small N), and no NaN/Inf. Cases with "ranks" run the
+no-grad forward (the one-launch dense kernel at small N), and no NaN/Inf. Cases with "ranks" run the
 op as that many context-parallel ranks would, one after another on this GPU (`as_ranks`).
 """
 
@@ -21,7 +21,6 @@ from .context_parallel import token_range
 from .options import MHLAOptions
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
-SHORT_CHECKED_TOKENS = 4096  # cases up to this size also run the one-launch linear kernel, whatever the dispatch takes
 
 # name, heads, D, Dv, grid, blocks, options
 CASES = [
@@ -38,8 +37,6 @@ CASES = [
      {"normalize": False, "rope": True, "ranks": 3}),
     ("d136/dv40 ragged B=2, 4 ranks", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2, "ranks": 4}),
     ("few blocks (split summaries), 2 ranks", 2, 64, 64, (4, 32, 32), (1, 2, 2), {"ranks": 2}),
-    # no-grad forward on the one-launch linear kernel (kernels/short.py) with RoPE, unnormalized, ragged, B = 2
-    ("short rope unnorm ragged B=2", 6, 64, 40, (3, 13, 23), (2, 3, 4), {"normalize": False, "rope": True, "batch": 2}),
 ]
 
 
@@ -63,15 +60,6 @@ def as_ranks(q, k, v, mix, grid, blocks, rope, ranks: int, **kwargs):
     s, z = (sum(part[i] for part in parts) for i in (0, 1))
     return torch.cat([op.mixed_output(cut(q, a, b), mix, s, z, cut(cos, a, b), cut(sin, a, b), args(a))
                       for a, b in slices], dim=1)
-
-
-@torch.no_grad()
-def short_output(q, k, v, mix, grid, blocks, rope, **kwargs):
-    """The one-launch linear kernel's forward (kernels/short.py) on a whole grid."""
-    from ..kernels import op
-
-    cos, sin = op.kernel_tables(None if rope is None else tuple(t.float() for t in rope), q.dtype)
-    return op.mhla_short(q, k, v, mix, cos, sin, *op.op_args(block_geometry(grid, blocks), MHLAOptions(**kwargs)))
 
 
 def _rope_tables(n: int, d: int, device):
@@ -126,11 +114,9 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     errors = {"o": _rel(o, ref)}
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
     _poison(outs[:1], device)
-    with torch.no_grad():  # inference: the dispatch's choice (kernels.op: one-launch kernels at small N)
+    with torch.no_grad():  # inference: the dispatch's choice (kernels.op: the one-launch dense kernel at small N)
         o = triton_op(*leaves)
     errors["o no-grad"] = _rel(o, ref.detach())
-    if ranks == 1 and n <= SHORT_CHECKED_TOKENS:
-        errors["o short"] = _rel(short_output(*leaves, grid, blocks, rope, **kwargs), ref.detach())
     worst = max(errors.values())
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": n, "M": m, "heads": heads, "D": d,
             "Dv": dv, "errors": errors, "worst": worst, "ok": worst < TOLERANCE[dtype]}
