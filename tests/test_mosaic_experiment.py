@@ -49,6 +49,27 @@ def test_toy_run_scores_cells_and_images_of_four_variants(toy_run):
     assert "hybrid/finetuned seed 0: FID" in stdout
 
 
+def test_block_grids_join_a_finished_run_as_rows_of_their_own(toy_run, tmp_path):
+    """--other-grids adds MHLA on other block grids (here one that cuts across the 2 x 2 cells) to a
+    finished run: only the new variant is trained, the rows made before stay as they were."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(toy_run[0], out)
+    before = json.loads((out / "results.json").read_text())["runs"]
+    done = run("--preset", "mosaic-toy", "--out", out, "--device", "cpu", "--no-progress", "--other-grids", "1,3,3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {k: v for k, v in results["runs"].items() if k in before} == before
+    assert sorted(set(results["runs"]) - set(before)) == ["mhla_1x3x3/converted", "mhla_1x3x3/finetuned"]
+    assert all(r["mhla/mixing_change"] > 0 for r in results["runs"]["mhla_1x3x3/finetuned"].values())
+    assert [r["kind"] for r in results["attention"]["mhla_1x3x3"]] == ["mhla"] * 3
+    assert "| MHLA (9 blocks, grid 1 x 3 x 3), fine-tuned |" in (out / "results.md").read_text()
+    assert "finetune softmax" not in done.stdout and "pretrain" not in done.stdout
+    bad = run("--preset", "mosaic-toy", "--out", tmp_path / "bad", "--other-grids", "1,2,2")
+    assert bad.returncode == 2 and "repeat a grid" in bad.stderr
+
+
 def test_attention_diagnostic_reads_each_models_own_attention(toy_run):
     out, _ = toy_run
     attention = json.loads((out / "results.json").read_text())["attention"]

@@ -77,6 +77,9 @@ class Settings:
     curve_steps: tuple = ()  # also score linear and MHLA at these fine-tuning steps (data and teacher-only)
     guided_target: bool = False  # data-free: also MHLA taught the teacher's guided prediction, sampled at guidance 1
     mhla_lr_ablation: bool = False  # also MHLA with its parameters at the fine-tune rate (the mhla_lr ablation)
+    # also MHLA on each of these block grids, a row each. Its runs are keyed by the grid, so grids may be added
+    # to a finished run (the only setting left out of the pinned ones): the block-grid ablation.
+    other_grids: tuple = ()
 
     @property
     def cell_resolution(self) -> int:
@@ -149,13 +152,19 @@ PRESETS = {
 VARIANTS = ("softmax", "linear", "mhla")
 
 
+def grid_variant(blocks) -> str:
+    return "mhla_" + "x".join(map(str, blocks))
+
+
 def variants(settings: Settings) -> tuple:
-    return VARIANTS + (("hybrid",) if settings.hybrid else ()) + (("mhla_base_lr",) if settings.mhla_lr_ablation else ())
+    return (VARIANTS + (("hybrid",) if settings.hybrid else ()) + (("mhla_base_lr",) if settings.mhla_lr_ablation else ())
+            + tuple(grid_variant(g) for g in settings.other_grids))
 
 
 def variant_blocks(settings: Settings) -> dict:
     mhla = tuple(settings.mhla_blocks)
-    blocks = {"softmax": None, "linear": (1, 1, 1), "mhla": mhla, "hybrid": mhla, "mhla_base_lr": mhla}
+    blocks = {"softmax": None, "linear": (1, 1, 1), "mhla": mhla, "hybrid": mhla, "mhla_base_lr": mhla,
+              **{grid_variant(g): tuple(g) for g in settings.other_grids}}
     return {v: blocks[v] for v in variants(settings)}
 
 
@@ -167,7 +176,8 @@ def variant_labels(settings: Settings) -> dict:
     m = math.prod(settings.mhla_blocks)
     labels = {"softmax": "softmax", "linear": "linear (one block)", "mhla": f"MHLA ({m} blocks)",
               "hybrid": f"MHLA hybrid ({m} blocks, 1 in {settings.hybrid} layers softmax)",
-              "mhla_base_lr": f"MHLA ({m} blocks), its parameters at the fine-tune rate"}
+              "mhla_base_lr": f"MHLA ({m} blocks), its parameters at the fine-tune rate",
+              **{grid_variant(g): f"MHLA ({math.prod(g)} blocks, grid {' x '.join(map(str, g))})" for g in settings.other_grids}}
     return {v: labels[v] for v in variants(settings)}
 
 
@@ -214,7 +224,7 @@ def parse_args(argv):
     kinds = {"int": int, "float": float, "str": str, "tuple": lambda text: tuple(int(x) for x in text.split(",") if x),
              "bool": lambda text: text.lower() in ("1", "true", "yes")}
     for f in fields(Settings):
-        kind = parse_blocks if f.name == "mhla_blocks" else kinds[f.type]
+        kind = {"mhla_blocks": parse_blocks, "other_grids": parse_grids}.get(f.name, kinds[f.type])
         presets = ", ".join(f"{name}: {getattr(preset, f.name)}" for name, preset in PRESETS.items())
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"({presets})")
     args = p.parse_args(argv)
@@ -230,6 +240,11 @@ def parse_args(argv):
     if args.only_seed is not None and args.only_seed not in settings.seeds:
         p.error(f"--only-seed {args.only_seed} is not one of the seeds {settings.seeds}")
     return args, settings
+
+
+def parse_grids(text: str) -> tuple:
+    """Block grids as typed: 'bt,bh,bw' each, separated by spaces or ';' (e.g. '1,5,5 1,8,8')."""
+    return tuple(parse_blocks(g) for g in text.replace(";", " ").split())
 
 
 def check(s: Settings) -> None:
@@ -264,9 +279,12 @@ def check(s: Settings) -> None:
     if isinstance(s.mhla_blocks, str):
         raise ValueError("mhla_blocks must be an explicit block grid here, e.g. 1,4,4")
     side = s.resolution // s.patch_size
-    check_blocks((1, side, side), s.mhla_blocks)
-    if math.prod(s.mhla_blocks) < 2:
-        raise ValueError(f"mhla_blocks {s.mhla_blocks} is one block, the linear variant; MHLA needs M > 1")
+    for name, grid in [("mhla_blocks", s.mhla_blocks), *(("other_grids", g) for g in s.other_grids)]:
+        check_blocks((1, side, side), grid)
+        if math.prod(grid) < 2:
+            raise ValueError(f"{name} {grid} is one block, the linear variant; MHLA needs M > 1")
+    if len({tuple(g) for g in s.other_grids} | {tuple(s.mhla_blocks)}) != len(s.other_grids) + 1:
+        raise ValueError(f"other_grids {s.other_grids} repeat a grid (or mhla_blocks)")
 
 
 def card(device: torch.device) -> str:
@@ -585,11 +603,11 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     out, progress = args.out, not args.no_progress
     t0 = time.perf_counter()
-    pinned = json.loads(json.dumps({k: v for k, v in asdict(s).items()
-                                    if k != "seeds" and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}))
+    pinned = json.loads(json.dumps({k: v for k, v in asdict(s).items() if k not in ("seeds", "other_grids")
+                                    and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}))
     pinned["label_dropout"] = "once per sample"  # out dirs trained with diffusers' per-block dropout are refused
     try:
-        pin_settings(out, pinned, "digits results")  # more seeds may be added to a finished run, nothing else
+        pin_settings(out, pinned, "digits results")  # more seeds and grids may be added to a finished run, nothing else
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
