@@ -63,11 +63,24 @@ def test_block_grids_join_a_finished_run_as_rows_of_their_own(toy_run, tmp_path)
     assert {k: v for k, v in results["runs"].items() if k in before} == before
     assert sorted(set(results["runs"]) - set(before)) == ["mhla_1x3x3/converted", "mhla_1x3x3/finetuned"]
     assert all(r["mhla/mixing_change"] > 0 for r in results["runs"]["mhla_1x3x3/finetuned"].values())
-    assert [r["kind"] for r in results["attention"]["mhla_1x3x3"]] == ["mhla"] * 3
+    assert [(r["kind"], r["num_blocks"]) for r in results["attention"]["mhla_1x3x3"]] == [("mhla", 9)] * 3
     assert "| MHLA (9 blocks, grid 1 x 3 x 3), fine-tuned |" in (out / "results.md").read_text()
     assert "finetune softmax" not in done.stdout and "pretrain" not in done.stdout
-    bad = run("--preset", "mosaic-toy", "--out", tmp_path / "bad", "--other-grids", "1,2,2")
-    assert bad.returncode == 2 and "repeat a grid" in bad.stderr
+
+    # a seed added later, in --jobs processes, without the flag: the recorded grid stays a row and gets the new
+    # seed too; nothing done before is trained again
+    done = run("--preset", "mosaic-toy", "--out", out, "--device", "cpu", "--no-progress", "--seeds", "0,1,2", "--jobs", "2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    again = json.loads((out / "results.json").read_text())
+    assert sorted(again["runs"]["mhla_1x3x3/finetuned"]) == ["0", "1", "2"]
+    assert all(again["runs"][k][seed] == r for k, runs in results["runs"].items() for seed, r in runs.items())
+    assert "| MHLA (9 blocks, grid 1 x 3 x 3), fine-tuned | 9 | 4 | 3 |" in (out / "results.md").read_text()
+    assert done.stdout.count("finetune mhla_1x3x3") == 1  # seed 2's only
+
+    bad = run("--preset", "mosaic-toy", "--out", tmp_path / "bad", "--other-grids", "2,2")  # = mhla_blocks (1, 2, 2)
+    assert bad.returncode == 2 and "other_grids repeat (1, 2, 2)" in bad.stderr
+    bad = run("--preset", "mosaic-toy", "--out", tmp_path / "bad", "--other-grids", "auto")
+    assert bad.returncode == 2 and "each grid must be 'bt,bh,bw'" in bad.stderr
 
 
 def test_attention_diagnostic_reads_each_models_own_attention(toy_run):

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -78,7 +79,7 @@ class Settings:
     guided_target: bool = False  # data-free: also MHLA taught the teacher's guided prediction, sampled at guidance 1
     mhla_lr_ablation: bool = False  # also MHLA with its parameters at the fine-tune rate (the mhla_lr ablation)
     # also MHLA on each of these block grids, a row each. Its runs are keyed by the grid, so grids may be added
-    # to a finished run (the only setting left out of the pinned ones): the block-grid ablation.
+    # to a finished run (left out of the pinned settings, like seeds), and a grid once run stays a row of it.
     other_grids: tuple = ()
 
     @property
@@ -244,7 +245,22 @@ def parse_args(argv):
 
 def parse_grids(text: str) -> tuple:
     """Block grids as typed: 'bt,bh,bw' each, separated by spaces or ';' (e.g. '1,5,5 1,8,8')."""
-    return tuple(parse_blocks(g) for g in text.replace(";", " ").split())
+    grids = []
+    for g in re.sub(r"\s*([,x])\s*", r"\1", text).replace(";", " ").split():
+        try:
+            grid = parse_blocks(g)
+        except ValueError:
+            grid = g
+        if isinstance(grid, str):  # 'auto' or not numbers
+            raise argparse.ArgumentTypeError(f"each grid must be 'bt,bh,bw' (e.g. '1,5,5 1,8,8'), got {g!r}")
+        grids.append(grid)
+    return tuple(grids)
+
+
+def recorded_grids(runs: dict) -> tuple:
+    """The other grids a run's results already hold rows of (variant keys 'mhla_BTxBHxBW/...')."""
+    found = (re.fullmatch(r"mhla_(\d+)x(\d+)x(\d+)", key.split("/")[0]) for key in runs)
+    return tuple(dict.fromkeys(tuple(int(x) for x in m.groups()) for m in found if m))
 
 
 def check(s: Settings) -> None:
@@ -283,8 +299,10 @@ def check(s: Settings) -> None:
         check_blocks((1, side, side), grid)
         if math.prod(grid) < 2:
             raise ValueError(f"{name} {grid} is one block, the linear variant; MHLA needs M > 1")
-    if len({tuple(g) for g in s.other_grids} | {tuple(s.mhla_blocks)}) != len(s.other_grids) + 1:
-        raise ValueError(f"other_grids {s.other_grids} repeat a grid (or mhla_blocks)")
+    grids = [tuple(s.mhla_blocks), *map(tuple, s.other_grids)]
+    repeated = sorted({g for g in grids if grids.count(g) > 1})
+    if repeated:
+        raise ValueError(f"other_grids repeat {', '.join(map(str, repeated))} (mhla_blocks is {tuple(s.mhla_blocks)})")
 
 
 def card(device: torch.device) -> str:
@@ -554,14 +572,18 @@ def run_seeds_in_parallel(argv: list[str], out: Path, s: Settings, jobs: int, re
         for seed in s.seeds[first:first + jobs]:
             child = out / "seeds" / str(seed)
             child.mkdir(parents=True, exist_ok=True)
-            if not (child / "results.json").exists():  # what a run without --jobs already did for this seed stays done
-                started = Results(child / "results.json", {})
-                started.data["runs"] = {k: {str(seed): v[str(seed)]} for k, v in results.data["runs"].items() if str(seed) in v}
-                started.data["curves"] = {k: v for k, v in results.data["curves"].items() if k.endswith(f"/seed{seed}")}
-                started.save()
+            started = Results(child / "results.json", {})  # what a run without --jobs already did for this seed stays done
+            for key, runs in results.data["runs"].items():
+                if str(seed) in runs:
+                    started.data["runs"].setdefault(key, {}).setdefault(str(seed), runs[str(seed)])
+            for key, c in results.data["curves"].items():
+                if key.endswith(f"/seed{seed}"):
+                    started.data["curves"].setdefault(key, c)
+            started.save()
             if not (child / "checkpoints").exists():
                 (child / "checkpoints").symlink_to((out / "checkpoints").resolve(), target_is_directory=True)
-            cmd = [sys.executable, "-m", "mhla_diffusion.experiments.digits", *argv,
+            grids = ["--other-grids", " ".join(",".join(map(str, g)) for g in s.other_grids)] if s.other_grids else []
+            cmd = [sys.executable, "-m", "mhla_diffusion.experiments.digits", *argv, *grids,  # the run's grids, recorded ones too
                    "--out", str(child), "--only-seed", str(seed), "--jobs", "1", "--no-progress"]
             procs.append(subprocess.Popen(cmd))
         codes = [p.wait() for p in procs]  # negative: killed by a signal (the OOM killer's -9)
@@ -612,10 +634,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     (out / "checkpoints").mkdir(exist_ok=True)
-    header = {"settings": json.loads(json.dumps(asdict(s))), "preset": args.preset, "device": str(device), "card": card(device),
-              "torch": torch.__version__, "command": shlex.join(["python", "recipes/experiments/digits.py", *argv]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")}
-    results = Results(out / "results.json", header)
+    results = Results(out / "results.json", {})
+    s = replace(s, other_grids=tuple(dict.fromkeys((*map(tuple, s.other_grids), *recorded_grids(results.data["runs"])))))
+    results.data.update({"settings": json.loads(json.dumps(asdict(s))), "preset": args.preset, "device": str(device),
+                         "card": card(device), "torch": torch.__version__,
+                         "command": shlex.join(["python", "recipes/experiments/digits.py", *argv]),
+                         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")})
 
     with timed(results, "data"):
         scans, digits = load_data(s)

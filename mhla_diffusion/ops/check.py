@@ -37,6 +37,8 @@ CASES = [
      {"normalize": False, "rope": True, "ranks": 3}),
     ("d136/dv40 ragged B=2, 4 ranks", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2, "ranks": 4}),
     ("few blocks (split summaries), 2 ranks", 2, 64, 64, (4, 32, 32), (1, 2, 2), {"ranks": 2}),
+    ("rope unnorm ragged B=2", 6, 64, 40, (3, 13, 23), (2, 3, 4), {"normalize": False, "rope": True, "batch": 2}),
+    ("dit-xl-256 (no-grad: the dense kernel)", 16, 72, 72, (1, 16, 16), "auto", {}),  # N = 256 = DENSE_MAX_TOKENS
 ]
 
 
