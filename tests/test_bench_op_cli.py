@@ -70,3 +70,31 @@ def test_shard_table_gives_each_p_its_slowest_rank_and_scaling():
     assert lines[-2] == "| s | 2 | 1 | [0, 10) | 4 of 4 | 5 | 0.625 | 1.875 | - | - |"
     assert lines[4] == "| w | 1 | 0 | [0, 10) | 4 of 4 | 5 | 1.000 | 3.000 | 2.000 | 4.000 |"
     assert bench._progress(rows[1]).startswith("[s, P = 2, rank 0] mhla fwd 0.500 ")
+
+
+def test_check_prints_each_case_as_it_finishes(monkeypatch, capsys):
+    """`bench op --check` streams one row per case, so a run cut short (here: the third case fails) still shows
+    the cases it checked; the kernels themselves are checked on a GPU, so check_case is stood in for here."""
+    from mhla_diffusion.ops import check
+
+    def check_case(name, heads, d, dv, grid, blocks, options, dtype):
+        if len(done) == 2:
+            raise RuntimeError("cut short")
+        done.append(name)
+        errors = dict.fromkeys(("o", "dq", "dk", "dv", "dmix", "o no-grad"), 1e-3)
+        return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": math.prod(grid), "M": 4, "heads": heads,
+                "D": d, "Dv": dv, "errors": errors, "worst": 1e-3, "ok": True}
+
+    done = []
+    monkeypatch.setattr(check, "check_case", check_case)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with pytest.raises(RuntimeError, match="cut short"):
+        main(["bench", "op", "--check"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert lines[0] == bench.CHECK_HEADER[0] and len(lines) == 3
+    first = check.CASES[0]
+    assert lines[1] == (f"| {first[0]} | bfloat16 | {math.prod(first[4]):,} | 4 | {first[1]} x {first[2]}/{first[3]} | "
+                        + " | ".join(["1.0e-03"] * 6) + " | yes |")
+    assert lines[2].startswith(f"| {first[0]} | float32 |")
