@@ -21,10 +21,15 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "experiments" / "digits.py"
 
 
-def run(*args) -> subprocess.CompletedProcess:
+def run_script(script: Path, *args) -> subprocess.CompletedProcess:
+    """`python script args` from the repo root, as a user runs a recipe experiment."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    return run_script(SCRIPT, *args)
 
 
 def toy_outputs(out: Path, preset: str) -> tuple[Path, str]:
@@ -110,6 +115,8 @@ def test_rerun_resumes_and_refuses_other_settings(toy_run, capsys):
     (["--guided-target", "true"], "guided_target needs data_free"),
     (["--layout", "random"], "layout random needs mosaic > 1"),
     (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--objective", "edm"], "objective 'edm' is not one of ddpm, flow"),
+    (["--precision", "fp8"], "precision 'fp8' is not one of fp32, bf16"),
 ])
 def test_bad_settings_fail_before_training(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:

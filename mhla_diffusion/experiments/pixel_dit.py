@@ -1,6 +1,7 @@
 """A class-conditional DiT trained in pixel space (no VAE): build, train, sample.
 
-Training reuses the recipes' DDPM epsilon objective and DiT call; sampling is DDIM with
+Training reuses the recipes' objectives and DiT call: DDPM epsilon prediction sampled with DDIM
+(as DiT trains), or rectified flow sampled with Euler steps (as SANA and Wan train), both with
 classifier-free guidance against the null class that DiT's label embedding adds for its label
 dropout (class id = number of classes). DiTPipeline cannot be used: it decodes with a VAE and
 hard-codes ImageNet's null class 1000.
@@ -8,9 +9,10 @@ hard-codes ImageNet's null class 1000.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -18,13 +20,52 @@ from tqdm.auto import tqdm
 from ..families import family_by_name
 from ..training.distill import teacher_prediction
 from ..training.model import param_groups
-from ..training.objectives import DDPMObjective, model_output
+from ..training.objectives import DDPMObjective, FlowMatchingObjective, model_output
 from .digits_data import NUM_CLASSES
 
 DIT = family_by_name("dit")
 
 # Cosine betas suit small images (improved DDPM); trailing DDIM steps start at t = T - 1.
 SCHEDULER = {"num_train_timesteps": 1000, "beta_schedule": "squaredcos_cap_v2"}
+OBJECTIVES = ("ddpm", "flow")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Process:
+    """How a model is trained and sampled: `objective` "ddpm" (epsilon, DDIM) or "flow" (velocity
+    noise - x0, noise levels logit-normal(0, 1) unshifted as SD3 samples them, Euler steps); `precision`
+    "bf16" runs forward passes under bf16 autocast on CUDA (weights and optimizer stay fp32)."""
+
+    objective: str = "ddpm"
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+
+    def training_objective(self):
+        if self.objective == "flow":
+            return FlowMatchingObjective(shift=1.0, logit_mean=0.0, logit_std=1.0)
+        return DDPMObjective(SCHEDULER, learned_variance=False)
+
+    def scheduler(self, steps: int):
+        """A fresh sampling scheduler set to `steps` (the flow one keeps a step index: one per batch)."""
+        from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
+
+        if self.objective == "flow":
+            scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+        else:
+            scheduler = DDIMScheduler.from_config({**SCHEDULER, "timestep_spacing": "trailing"})
+        scheduler.set_timesteps(steps)
+        return scheduler
+
+    def autocast(self, device: torch.device):
+        if self.precision == "bf16" and device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -44,6 +85,7 @@ class TrainSettings:
     ema_decay: float  # reached after the EMA's warm-up (power 3/4), so short runs average short windows
     grad_clip: float = 1.0
     mhla_lr: float = 0.0  # the MHLA parameters' own rate (0: lr)
+    process: Process = field(default_factory=Process)
 
 
 def build_dit(resolution: int, size: ModelSize, seed: int):
@@ -98,7 +140,7 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
     from diffusers.training_utils import EMAModel
 
     device = next(model.parameters()).device
-    objective = DDPMObjective(SCHEDULER, learned_variance=False)
+    objective = settings.process.training_objective()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(param_groups(model, params, settings.lr, settings.mhla_lr or settings.lr), weight_decay=0.0)
     warmup = lambda step: min(1.0, (step + 1) / max(1, settings.warmup))  # noqa: E731
@@ -116,10 +158,12 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
         if teacher is None or teacher.guidance is None:
             y = torch.where(torch.rand(len(y), device=device) < LABEL_DROPOUT, NUM_CLASSES, y)
         inputs = DIT.transformer_inputs(model, noisy.model_input, noisy.timestep, {"class_label": y})
-        out = model_output(model(**inputs))
+        with settings.process.autocast(device):
+            out = model_output(model(**inputs)).float()
+            target = None if teacher is None else _distill_target(teacher, inputs).float()
         loss = objective.loss(out, noisy)
         if teacher is not None:
-            loss = loss + (out - _distill_target(teacher, inputs)).pow(2).mean()
+            loss = loss + (out - target).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
@@ -143,29 +187,29 @@ def train(model, images, labels, settings: TrainSettings, seed: int, desc: str, 
 
 
 @torch.no_grad()
-def sample(model, labels: torch.Tensor, steps: int, guidance: float, seed: int, batch_size: int = 500) -> torch.Tensor:
-    """Images (N, 1, R, R) in [-1, 1] of the classes `labels`; the noise depends only on `seed`."""
-    from diffusers import DDIMScheduler
-
+def sample(model, labels: torch.Tensor, steps: int, guidance: float, seed: int, batch_size: int = 500,
+           process: Process = Process()) -> torch.Tensor:
+    """Images (N, 1, R, R) in [-1, 1] of the classes `labels`, sampled as `process` trained the model;
+    the noise depends only on `seed`."""
     device = next(model.parameters()).device
     size = model.config.sample_size
     noise = torch.randn((len(labels), 1, size, size), generator=torch.Generator().manual_seed(seed))
-    scheduler = DDIMScheduler.from_config({**SCHEDULER, "timestep_spacing": "trailing"})
-    scheduler.set_timesteps(steps)
     model.eval()
     out = []
     for x, y in zip(noise.split(batch_size), labels.split(batch_size)):
         x, y = x.to(device), y.to(device)
         guided = guidance != 1.0
         classes = torch.cat([y, torch.full_like(y, NUM_CLASSES)]) if guided else y
+        scheduler = process.scheduler(steps)
         for t in scheduler.timesteps:
             inp = torch.cat([x, x]) if guided else x
-            timestep = torch.full((len(inp),), int(t), device=device)
-            eps = model_output(model(**DIT.transformer_inputs(model, inp, timestep, {"class_label": classes})))
+            timestep = torch.full((len(inp),), t.item(), device=device)
+            with process.autocast(device):
+                pred = model_output(model(**DIT.transformer_inputs(model, inp, timestep, {"class_label": classes}))).float()
             if guided:
-                cond, uncond = eps.chunk(2)
-                eps = uncond + guidance * (cond - uncond)
-            x = scheduler.step(eps, t, x).prev_sample
+                cond, uncond = pred.chunk(2)
+                pred = uncond + guidance * (cond - uncond)
+            x = scheduler.step(pred, t, x).prev_sample
         out.append(x.clamp(-1, 1).cpu())
     return torch.cat(out)
 

@@ -50,7 +50,7 @@ def moving_average(values, points: int = 40) -> np.ndarray:
     return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
-def plot_losses(path: Path, curves: dict, variants: dict) -> None:
+def plot_losses(path: Path, curves: dict, variants: dict, loss_name: str = "epsilon MSE") -> None:
     """Pre-training loss, and each variant's fine-tuning loss (mean over seeds, band = min..max),
     both as running means."""
     import matplotlib
@@ -63,7 +63,7 @@ def plot_losses(path: Path, curves: dict, variants: dict) -> None:
         c = curves["pretrain"]
         loss = moving_average(c["loss"])
         pre.plot(np.arange(len(loss)) * c["every"], loss, color="black")
-    pre.set(title="pre-training (softmax, from scratch)", xlabel="step", ylabel="epsilon MSE (running mean)", yscale="log")
+    pre.set(title="pre-training (softmax, from scratch)", xlabel="step", ylabel=f"{loss_name} (running mean)", yscale="log")
     for name, label in variants.items():
         runs = [c for key, c in curves.items() if key.startswith(f"{name}/seed")]
         if not runs:
@@ -75,7 +75,7 @@ def plot_losses(path: Path, curves: dict, variants: dict) -> None:
         steps = np.arange(loss.shape[1]) * runs[0]["every"]
         line, = fine.plot(steps, loss.mean(0), label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         fine.fill_between(steps, loss.min(0), loss.max(0), color=line.get_color(), alpha=0.2)
-    fine.set(title="fine-tuning after conversion", xlabel="step", ylabel="epsilon MSE (running mean)", yscale="log")
+    fine.set(title="fine-tuning after conversion", xlabel="step", ylabel=f"{loss_name} (running mean)", yscale="log")
     if fine.lines:
         fine.legend()
     fig.tight_layout()
@@ -141,6 +141,13 @@ def sample_sheet(path: Path, panels: list[tuple[Path, str]], cols: int = 5) -> N
     save_png(np.asarray(canvas), Path(path))
 
 
+def sampler_text(s: dict) -> str:
+    """How the settings `s` train and sample: the objective and its sampler."""
+    if s.get("objective", "ddpm") == "flow":
+        return f"rectified flow (velocity target), Euler {s['sampling_steps']} steps"
+    return f"DDPM (epsilon target), DDIM {s['sampling_steps']} steps"
+
+
 def run_lines(results: dict) -> list[str]:
     """The card's lines about the run itself: date, card, command, time (phases of seeds run in
     parallel processes added in)."""
@@ -150,9 +157,12 @@ def run_lines(results: dict) -> list[str]:
         for k, v in job["timings_s"].items():
             timings[k] = timings.get(k, 0.0) + v
     parallel = f", seeds in {len(jobs)} parallel processes" if jobs else ""
+    cuda = results["device"].startswith("cuda")
+    bf16 = cuda and results["settings"].get("precision", "fp32") == "bf16"
     return [
         f"- date (UTC): {results['date']}",
-        f"- card: {results['card']} (torch {results['torch']}, fp32 weights{', TF32 matmuls' if results['device'].startswith('cuda') else ''})",
+        f"- card: {results['card']} (torch {results['torch']}, fp32 weights{', TF32 matmuls' if cuda else ''}"
+        f"{', forward passes under bf16 autocast' if bf16 else ''})",
         f"- command: `{results['command']}`",
         f"- time (all sessions of a resumed run): {sum(timings.values()):.0f} s in the phases ("
         + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
@@ -216,7 +226,7 @@ def results_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> st
         f"- model: DiT, {s['layers']} layers, {s['heads']} heads x {s['head_dim']}, patch {s['patch_size']} "
         f"({(s['resolution'] // s['patch_size']) ** 2} tokens), pre-trained once ({s['pretrain_steps']} steps, seed 0), "
         f"fine-tuned {s['finetune_steps']} steps per variant and seed (seeds {', '.join(seeds)})",
-        f"- samples: {s['samples']} per evaluation (balanced classes), DDIM {s['sampling_steps']} steps, guidance {s['guidance']}",
+        f"- samples: {s['samples']} per evaluation (balanced classes), {sampler_text(s)}, guidance {s['guidance']}",
         f"- digit classifier: test accuracy {clf.get('test_accuracy', math.nan):.4f} on the held-out scans; "
         f"FID on its {clf.get('features')}-d penultimate features against the {clf.get('train_n')} train scans",
         "",
@@ -259,7 +269,7 @@ def mosaic_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> str
         f"per variant and seed (lr {s['finetune_lr']}, MHLA parameters {s.get('mhla_lr') or s['finetune_lr']}; seeds {', '.join(seeds)}), "
         f"batch {s['batch_size']}; MHLA blocks {tuple(s['mhla_blocks'])}",
         f"- samples: {s['samples']} mosaics per evaluation ({s['samples'] * m * m} cells{'; layouts balanced' if conditional else ''}), "
-        f"DDIM {s['sampling_steps']} steps, guidance {s['guidance']}",
+        f"{sampler_text(s)}, guidance {s['guidance']}",
         f"- digit classifier: test accuracy {clf.get('test_accuracy', math.nan):.4f} on the held-out scans. Cell FID: its "
         f"{clf.get('features')}-d penultimate features of every cell against the train scans. Image FID: the "
         f"{m * m} cells' classifier logits concatenated ({m * m * 10}-d) against {mos.get('reference_n')} train mosaics"
