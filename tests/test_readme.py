@@ -20,6 +20,8 @@ NOT_RUN = {
     "accelerate launch recipes/train.py": "a template (DATA, option alternatives); the recipes' own tests launch it",
     'pip install -e ".[experiments]"': "installs from the package registry; the digits experiment's tests run its toy preset",
     "python recipes/experiments/digits.py --preset mosaic-full": "one GPU for minutes; tests/test_mosaic_experiment.py runs its toy preset",
+    "python recipes/experiments/digits.py --preset mosaic-random-flow": "one H200 for ~10 minutes; tests/test_mosaic_experiment.py "
+                                                                       "runs its path (random layouts, --objective flow) at toy size",
     "# torchrun --nproc_per_node 4 my_script.py": "needs several processes; tests/test_sequence_parallel.py runs it",
 }
 
