@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +13,9 @@ import torch
 from PIL import Image
 
 from mhla_diffusion.experiments import pixel_dit
+from mhla_diffusion.experiments.digits import PRESETS, load_data
 from mhla_diffusion.experiments.digits_data import load_digits
-from mhla_diffusion.experiments.teacher_probe import cell_ids, own_cell_share, pixel_bound
+from mhla_diffusion.experiments.teacher_probe import cell_ids, heldout_loss, own_cell_share, pixel_bound
 from test_digits_experiment import REPO, run_script  # tests/ is on sys.path (no package): one runner for the experiments
 
 SCRIPT = REPO / "recipes" / "experiments" / "teacher_probe.py"
@@ -24,7 +26,7 @@ def probe(*args):
 
 
 def test_probe_records_each_teacher_along_the_way_and_resumes(tmp_path):
-    args = ("--preset", "mosaic-toy", "--runs", "ddpm@1e-3", "flow@1e-3", "--steps", 4, "--every", 2, "--score-at", 4,
+    args = ("--preset", "mosaic-random-toy", "--runs", "ddpm@1e-3", "flow@1e-3", "--steps", 4, "--every", 2, "--score-at", 4,
             "--out", tmp_path, "--device", "cpu", "--no-progress")
     done = probe(*args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -39,23 +41,59 @@ def test_probe_records_each_teacher_along_the_way_and_resumes(tmp_path):
         assert "scores" not in rec["points"][0] and math.isfinite(rec["points"][1]["scores"]["fid"])
         assert f"[probe] {key} step 4: held-out loss" in done.stdout
     table = (tmp_path / "probe.md").read_text()
-    assert "| ddpm@0.001 | 4 |" in table and "| flow@0.001 | 2 |" in table and "uniform 0.250" in table
+    assert "| ddpm@0.001 | 4 |" in table and "| flow@0.001 | 2 |" in table and "uniform 0.250" in table and "confidence" in table
     with Image.open(tmp_path / "probe.png") as img:
         assert img.size[0] > 300
     again = probe(*args)  # finished runs are not trained again
     assert again.returncode == 0 and "[probe] ddpm" not in again.stdout and "[probe] flow" not in again.stdout
     assert json.loads((tmp_path / "probe.json").read_text())["runs"] == results["runs"]
+    other = probe(*args, "--precision", "bf16")  # a record holds one preset and precision
+    assert other.returncode == 2 and "other settings (precision differ)" in other.stderr
 
 
 @pytest.mark.parametrize("args, message", [
     (["--runs", "ddpm3e-4"], "expected OBJECTIVE@LR"),
     (["--runs", "edm@3e-4"], "objective 'edm' is not one of ddpm, flow"),
+    (["--runs", "flow@0"], "the learning rate must be positive"),
     (["--steps", "4", "--every", "2", "--score-at", "3"], "each must be a recorded step"),
-    (["--preset", "toy"], "not a mosaic"),
+    (["--preset", "mosaic-full"], "invalid choice: 'mosaic-full'"),  # fixed layouts: the bound would not hold
 ])
 def test_bad_arguments_fail_in_one_line(tmp_path, args, message):
     done = probe("--out", tmp_path / "out", "--device", "cpu", *args)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_heldout_loss_leaves_the_training_run_as_it_was():
+    """Scoring along the way draws its own noise: a run with a point every 2 steps trains as one without."""
+    s = PRESETS["mosaic-random-toy"]
+    data = load_data(s)[1]
+    losses = []
+    for with_points in (False, True):
+        model = pixel_dit.build_dit(s.resolution, s.model_size(), 0)
+        at_step = lambda step: heldout_loss(model, data.test_images[:4], s)  # noqa: E731
+        losses.append(pixel_dit.train(model, data.train_images, data.train_labels, replace(s.train_settings("pretrain"), steps=6),
+                                      0, "t", False, at_steps=[2, 4] if with_points else [], at_step=at_step))
+    assert losses[0] == losses[1]
+
+
+class _Zero(torch.nn.Module):
+    """Predicts 0 everywhere: its loss is the mean square of the objective's target."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, hidden_states, timestep, class_labels):
+        return (hidden_states * self.w,)
+
+
+def test_training_uses_the_objectives_target():
+    """Against a zero prediction the loss is E|target|^2: epsilon (1) for DDPM, noise - x0 (1 + x0^2) for flow."""
+    images, labels = torch.full((64, 1, 8, 8), 0.5), torch.zeros(64, dtype=torch.long)
+    for objective, expected in (("ddpm", 1.0), ("flow", 1.25)):
+        settings = pixel_dit.TrainSettings(20, 64, 0.0, 1, 0.9, process=pixel_dit.Process(objective))
+        losses = pixel_dit.train(_Zero(), images, labels, settings, 0, "t", False)
+        assert sum(losses) / len(losses) == pytest.approx(expected, abs=0.03)
 
 
 def test_own_cell_share_against_the_dense_attention_in_fp64():

@@ -34,8 +34,10 @@ PRECISIONS = ("fp32", "bf16")
 @dataclass(frozen=True)
 class Process:
     """How a model is trained and sampled: `objective` "ddpm" (epsilon, DDIM) or "flow" (velocity
-    noise - x0, noise levels logit-normal(0, 1) unshifted as SD3 samples them, Euler steps); `precision`
-    "bf16" runs forward passes under bf16 autocast on CUDA (weights and optimizer stay fp32)."""
+    noise - x0, noise levels logit-normal(0, 1) without a shift, Euler steps on diffusers' default
+    schedule: sigma from 1 to 1/1000 in steps - 1 equal steps, then to 0); `precision` "bf16" runs
+    forward passes under bf16 autocast on CUDA (weights, optimizer and loss stay fp32; a distillation
+    teacher's target is then bf16-rounded too)."""
 
     objective: str = "ddpm"
     precision: str = "fp32"

@@ -144,7 +144,7 @@ def sample_sheet(path: Path, panels: list[tuple[Path, str]], cols: int = 5) -> N
 def sampler_text(s: dict) -> str:
     """How the settings `s` train and sample: the objective and its sampler."""
     if s.get("objective", "ddpm") == "flow":
-        return f"rectified flow (velocity target), Euler {s['sampling_steps']} steps"
+        return f"rectified flow (velocity target), Euler {s['sampling_steps']} steps (sigma 1 to 1/1000, then 0)"
     return f"DDPM (epsilon target), DDIM {s['sampling_steps']} steps"
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..evaluation.store import pin_settings
 from . import digits, pixel_dit
 
 
@@ -41,6 +42,8 @@ def parse_run(text: str) -> ProbeRun:
     try:
         run = ProbeRun(objective, float(lr))
         pixel_dit.Process(run.objective)
+        if not run.lr > 0:
+            raise ValueError("the learning rate must be positive")
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: expected OBJECTIVE@LR, e.g. flow@3e-4 ({e})") from None
     return run
@@ -84,7 +87,7 @@ def _noised(x0: torch.Tensor, level: float, process: pixel_dit.Process):
     if process.objective == "flow":
         return (1 - level) * x0 + level * noise, torch.full((len(x0),), level * 1000, device=x0.device)
     t = int(level * 999)
-    sqrt_ab = pixel_dit.Process().training_objective().tables["sqrt_ab"][t].item()
+    sqrt_ab = process.training_objective().tables["sqrt_ab"][t].item()
     return sqrt_ab * x0 + math.sqrt(1 - sqrt_ab**2) * noise, torch.full((len(x0),), t, device=x0.device)
 
 
@@ -111,7 +114,8 @@ def pixel_bound(scans: torch.Tensor, process: pixel_dit.Process, repeats: int = 
     """The objective's loss of the best denoiser that sees only its own pixel and position: the
     posterior mean of each pixel given its noisy value under the empirical marginal of that pixel
     position in the scans (N, 1, R, R), values on the scans' 17 grey levels. Mosaics of randomly
-    drawn scans have the same per-pixel marginals at every cell."""
+    drawn scans have the same per-pixel marginals at every cell (fixed layouts would not: there the
+    label tells a pixel its cell's digit)."""
     x = scans.flatten(1).double()
     values = torch.linspace(-1, 1, 17, dtype=torch.float64)
     level = ((x + 1) / 2 * 16).round().long()
@@ -120,7 +124,7 @@ def pixel_bound(scans: torch.Tensor, process: pixel_dit.Process, repeats: int = 
     marginal = torch.stack([torch.bincount(level[:, p], minlength=17) for p in range(x.shape[1])]).double() / len(x)
     objective = process.training_objective()
     total = 0.0
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         for _ in range(repeats):
             nb = objective.noisy(x)
@@ -163,7 +167,7 @@ def probe_run(run: ProbeRun, s: digits.Settings, data, judge, record: dict, save
               f"own-cell share {shares} (uniform {1 / s.mosaic ** 2:.3f}){fid}", flush=True)
         clock["t"] = time.perf_counter()
 
-    every = sorted({*range(args.every, args.steps, args.every)})
+    every = list(range(args.every, args.steps, args.every))
     losses = pixel_dit.train(model, data.train_images, data.train_labels, s.train_settings("pretrain"), digits.PRETRAIN_SEED,
                              f"pretrain {run.key}", progress, at_steps=every, at_step=at_step)
     at_step(args.steps)  # the EMA weights, as the experiment's pre-training ends
@@ -213,9 +217,14 @@ def write_outputs(out: Path, results: dict, cells: int) -> None:
     (out / "probe.md").write_text("\n".join(lines) + "\n")
 
 
+# The per-pixel bound and the own-cell share assume mosaics whose cells are drawn at random.
+RANDOM_MOSAICS = {name: s for name, s in digits.PRESETS.items() if s.layout == "random"}
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python recipes/experiments/teacher_probe.py", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(digits.PRESETS), default="mosaic-random", help="model, data and batch (default: mosaic-random)")
+    p.add_argument("--preset", choices=sorted(RANDOM_MOSAICS), default="mosaic-random",
+                   help="model, data and batch: a random-mosaic preset (default: mosaic-random)")
     p.add_argument("--runs", nargs="+", type=parse_run, default=[parse_run("ddpm@3e-4"), parse_run("flow@3e-4")],
                    metavar="OBJECTIVE@LR", help="teachers to pre-train, e.g. ddpm@3e-4 flow@1e-3 (default: ddpm@3e-4 flow@3e-4)")
     p.add_argument("--steps", type=int, default=4000, help="pre-training steps of each run (default 4000)")
@@ -240,11 +249,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     s = replace(digits.PRESETS[args.preset], precision=args.precision)
-    if s.mosaic < 2:
-        print(f"error: preset {args.preset} is not a mosaic; the own-cell share needs cells (a mosaic preset)", file=sys.stderr)
-        return 2
     device = torch.device(args.device)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:  # runs of other presets or precisions are not mixed into one record
+        pin_settings(args.out, {"preset": args.preset, "precision": args.precision}, "teacher probe results")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     (args.out / "checkpoints").mkdir(exist_ok=True)
     results = digits.Results(args.out / "probe.json", {
         "card": digits.card(device), "torch": torch.__version__, "preset": args.preset, "precision": args.precision,
