@@ -119,6 +119,9 @@ def test_per_pixel_bound_is_zero_for_one_image_and_below_the_trivial_predictor()
     # ddpm: predicting eps = 0 scores 1; flow: predicting v = 0 scores E|noise - x0|^2 = 1 + E x0^2
     assert 0 < pixel_bound(scans, pixel_dit.Process("ddpm"), repeats=2) < 1
     assert 0 < pixel_bound(scans, pixel_dit.Process("flow"), repeats=2) < 1 + scans.pow(2).mean().item()
+    # knowing each pixel's digit (the labels' own marginals) can only help the best per-pixel denoiser
+    labels = load_digits(8).train_labels
+    assert pixel_bound(scans, pixel_dit.Process("ddpm"), labels, repeats=2) < pixel_bound(scans, pixel_dit.Process("ddpm"), repeats=2)
 
 
 class _PointMass(torch.nn.Module):

@@ -110,18 +110,27 @@ def heldout_loss(model, images: torch.Tensor, s: digits.Settings, repeats: int =
     return total / repeats
 
 
-def pixel_bound(scans: torch.Tensor, process: pixel_dit.Process, repeats: int = 20) -> float:
+def pixel_bound(scans: torch.Tensor, process: pixel_dit.Process, labels: torch.Tensor | None = None,
+                repeats: int = 20) -> float:
     """The objective's loss of the best denoiser that sees only its own pixel and position: the
     posterior mean of each pixel given its noisy value under the empirical marginal of that pixel
     position in the scans (N, 1, R, R), values on the scans' 17 grey levels. Mosaics of randomly
-    drawn scans have the same per-pixel marginals at every cell (fixed layouts would not: there the
-    label tells a pixel its cell's digit)."""
+    drawn scans have the same per-pixel marginals at every cell. Given the scans' `labels`, the
+    marginals are each digit's: the bound of a denoiser that also knows its cell's digit (as fixed
+    layouts tell it)."""
     x = scans.flatten(1).double()
     values = torch.linspace(-1, 1, 17, dtype=torch.float64)
     level = ((x + 1) / 2 * 16).round().long()
     if not torch.allclose(values[level], x, atol=1e-4):
         raise ValueError("the scans are not on 17 grey levels")
-    marginal = torch.stack([torch.bincount(level[:, p], minlength=17) for p in range(x.shape[1])]).double() / len(x)
+
+    def marginals(rows: torch.Tensor) -> torch.Tensor:  # (pixels, 17) over the scans `rows`
+        return torch.stack([torch.bincount(level[rows, p], minlength=17) for p in range(x.shape[1])]).double() / len(rows)
+
+    if labels is None:
+        marginal = marginals(torch.arange(len(x)))
+    else:
+        marginal = torch.stack([marginals(torch.nonzero(labels == c).flatten()) for c in range(int(labels.max()) + 1)])[labels]
     objective = process.training_objective()
     total = 0.0
     with torch.random.fork_rng(devices=[]):
@@ -263,16 +272,15 @@ def main(argv=None) -> int:
     scans, data = digits.load_data(s)
     classifier = digits.classifier_phase(args.out, scans, s, results, device, not args.no_progress)
     judge = digits.Judge(classifier, s, scans.train_images, device, data.train_images[:digits.MOSAIC_REFERENCE])
+    def save():
+        results.save()
+        write_outputs(args.out, results.data, s.mosaic ** 2)
+
     for run in args.runs:
         record = results.data["runs"].get(run.key, {})
         if record.get("done") and record.get("steps") == args.steps:
             continue
         record = results.data["runs"][run.key] = {"steps": args.steps, "bound": pixel_bound(scans.train_images, pixel_dit.Process(run.objective))}
-
-        def save():
-            results.save()
-            write_outputs(args.out, results.data, s.mosaic ** 2)
-
         probe_run(run, s, data, judge, record, save, args, not args.no_progress)
     write_outputs(args.out, results.data, s.mosaic ** 2)
     print(f"[probe] done: {args.out / 'probe.md'}", flush=True)
