@@ -22,6 +22,9 @@ the dense formula, o_n = sum_j Mc[b(n), b(j)] (rope(phi(q_n)) . rope(phi(k_j))) 
 query x key tiles as flash attention does (O(N^2 D) work, O(N) memory, one launch). At a few
 hundred tokens that beats the linear path, whose 4 launches of tiny latency-bound programs cost
 more than the arithmetic they save; by 1,024 tokens it no longer does (op.DENSE_MAX_TOKENS).
+Head dims D, Dv are constexprs: a run-time integer that is no multiple of 16 (DiT's and PixArt's 72) leaves the
+compiler unable to prove the `d < D` masks constant over 8 lanes, and every token load became a scalar 2-byte
+load without async copies (H200, DiT-XL/2 512 px: fwd 0.067 -> 0.057 ms, f+b 0.335 -> 0.293; kernels/NOTES.md).
 Summaries are stored in the type the token kernels multiply them in (`state_dtype`:
 bf16 for bf16 inputs, fp32 otherwise); normalizer sums z are fp32; every accumulation is fp32.
 `mhla_diffusion.ops.naive` holds the plain PyTorch meaning of each launcher (`reference_*`), for tests.
@@ -209,7 +212,7 @@ def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, sqn, scn, scd, son, mat, zt, 
 def _summary_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, ys_ptr, zw_ptr, s_ptr, z_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd,
-    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D, DV, TOK,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
@@ -264,7 +267,7 @@ def _summary_kernel(
 def _output_kernel(
     q_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr,
     sqb, sqn, sqh, scb, scn, sch, scd, sob, son, soh,
-    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D, DV, TOK, eps,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -291,7 +294,7 @@ def _output_kernel(
 def _grad_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
-    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D, DV, TOK, eps,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr, WITH_DY: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -353,7 +356,7 @@ def _grad_kernel(
 def _dense_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, mix_ptr, o_ptr,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, scb, scn, sch, scd, sob, son, soh,
-    heads, N, M, T, H, W, NBT, NBH, NBW, D, DV, eps,
+    heads, N, M, T, H, W, NBT, NBH, NBW, D: tl.constexpr, DV: tl.constexpr, eps,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):

@@ -3,8 +3,9 @@
     python -c "from mhla_diffusion.kernels.resources import main; main()" [--sass DIR]
 
 For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`, `mhla.ROPE_CONFIG` for RoPE
-rows), specialized as the JIT specializes a Wan2.1 call (pointers, strides, RoPE tables' strides included, and
-head dims divisible by 16; bf16 summaries and RoPE tables, as an all-bf16 call passes them), prints registers per
+rows), specialized as the JIT specializes a Wan2.1 call (pointers and strides, RoPE tables' included, divisible by
+16; head dims are constexprs: 128, and 72 in the DiT rows; bf16 summaries and RoPE tables, as an all-bf16 call
+passes them), prints registers per
 thread, stack (spilled) bytes, shared memory, and counts of the SASS instructions that decide speed:
 tensor-core ops (HGMMA), async copies (LDGSTS), 16-byte and scalar 16-bit global loads, local-memory
 traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
@@ -33,10 +34,10 @@ HOPPER = GPUTarget("cuda", 90, 32)
 # (state_dtype) and, since op._table, RoPE tables are bf16 for bf16 inputs.
 FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr"}
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
-DIVISIBLE = re.compile(r"^(s[a-z]*[bnh]|D|DV)$")
+DIVISIBLE = re.compile(r"^s[a-z]*[bnh]$")
 INSTRUCTIONS = ("HGMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
 BF16 = dict(DOT=tl.bfloat16, PRECISION="tf32", scd=1)  # RoPE tables: unit stride along D (JIT: constant 1)
-TILE = dict(BLOCK_D=128, BLOCK_DV=128)
+TILE = dict(BLOCK_D=128, BLOCK_DV=128, D=128, DV=128)  # head dims are constexprs: masks at D = 72 vectorize too
 WAN_BLOCK_TOKENS = 7 * 8 * 11  # longest block of Wan2.1-1.3B 480p: grid (21, 30, 52) cut (3, 4, 5)
 # name: (kernel, CONFIG entry, constexprs besides the config's block_n)
 KERNELS = {
@@ -53,6 +54,13 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
     "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
         DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
+    # DiT and PixArt heads (16 x 72): a head dim that is no multiple of 16, in the same 128-wide tiles
+    "summary fwd d72": (mhla._summary_kernel, "summary", dict(
+        D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, ATOMIC=False,
+        D=72, DV=72)),
+    "output d72": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True, D=72, DV=72)),
+    "grad dk dv d72": (mhla._grad_kernel, "grad", dict(
+        DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72)),
 }
 
 
@@ -64,11 +72,19 @@ def _tool(name: str) -> str:
 
 
 def compile_for_hopper(kernel, constexprs: dict, options: dict):
-    """The kernel compiled for sm_90 with `constexprs` fixed and the other arguments typed as a call passes them."""
+    """The kernel compiled for sm_90 with `constexprs` fixed and the other arguments typed as a call passes them.
+
+    A value given for an integer the kernel does not declare constexpr (a stride, a head dim) is specialized as the
+    JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown."""
     signature, fixed, attrs = {}, {}, {}
-    for i, arg in enumerate(kernel.arg_names):
-        if arg in constexprs:
+    for i, (arg, param) in enumerate(zip(kernel.arg_names, kernel.params)):
+        if arg in constexprs and (param.is_constexpr or constexprs[arg] == 1):
             signature[arg], fixed[(i,)] = "constexpr", constexprs[arg]
+            continue
+        if arg in constexprs:
+            signature[arg] = "i32"
+            if constexprs[arg] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
             continue
         if arg.endswith("_ptr"):
             signature[arg] = "*fp32" if arg in FP32_POINTERS else "*bf16"
@@ -101,7 +117,7 @@ def report() -> dict:
     rows = {}
     for name, (kernel, entry, constexprs) in KERNELS.items():
         cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], WAN_BLOCK_TOKENS, constexprs["ROPE"])
-        compiled = compile_for_hopper(kernel, {**constexprs, **TILE, **BF16, "BLOCK_N": cfg["block_n"]},
+        compiled = compile_for_hopper(kernel, {**TILE, **constexprs, **BF16, "BLOCK_N": cfg["block_n"]},
                                       mhla._launch(cfg))
         rows[name] = usage(compiled)
     return rows

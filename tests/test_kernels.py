@@ -161,7 +161,9 @@ def test_unknown_backend_is_rejected():
 def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     """`kernels/resources.py` compiles every token kernel for sm_90 on this CPU-only machine and reads the
     binaries: all run on wgmma, and the bf16 forward summary keeps to 128 registers (two programs per SM)
-    with async-copy loads and nothing spilled, the property its launch config was tuned for."""
+    with async-copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim
+    (72, no multiple of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they
+    were scalar 2-byte loads without async copies (the JIT marks only multiples of 16)."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -176,6 +178,9 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(forward["LDGSTS"]) > 0 and int(forward["LDG.E.U16"]) == 0
     # the RoPE dk/dv kernel spilled 1,240 bytes at 4 warps and 2 stages; its own launch options keep it in registers
     assert int(rows["grad dk dv rope"]["stack B"]) == 0 and int(rows["grad dk dv rope"]["LDL"]) == 0
+    for name in ("summary fwd d72", "grad dk dv d72"):
+        assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
+    assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
 
 
