@@ -1,9 +1,10 @@
 """Developer tool: where the time of one MHLA call goes, stage by stage, and launch-config sweeps.
 
-    python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram] [--rope-sweep]
+    python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram]
+        [--sweep rope|short] [--shapes wan480 ... dit512 ...]
 
 Prints median ms (triton.testing.do_bench) of each stage of forward and backward at the
-Wan2.1 shapes; with --tune KERNEL..., first a coordinate descent over SWEEP for those kernels'
+Wan2.1 shapes (or `--shapes`); with --tune KERNEL..., first a coordinate descent over SWEEP for those kernels'
 `mhla.CONFIG` entries on the first shape. The chosen values are copied into `mhla.CONFIG`.
 """
 
@@ -19,7 +20,12 @@ from ..blocks import block_geometry, locality_mix
 from ..ops import mhla_attention  # the whole op as callers get it: a developer tool, not the kernels' own import
 from . import mhla
 
-SHAPES = {"wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8))}
+SHAPES = {
+    "wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8)),
+    # short blocks (mhla.SHORT_BLOCK), the op's 'auto' cut: DiT-XL/2 at 512 and 1024 px, SANA-1.6B at 1K
+    "dit512": (16, 72, (1, 32, 32), (1, 5, 6)), "dit1024": (16, 72, (1, 64, 64), (1, 8, 8)),
+    "sana1k": (70, 32, (1, 32, 32), (1, 5, 6)),
+}
 SWEEP = {
     "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "programs": (256, 1024, 4096),
     "max_dv": (64, 128), "block_k": (32, 64, 128), "maxnreg": (None, 128, 168),
@@ -33,7 +39,7 @@ KERNEL_STAGES = {
 
 
 def _inputs(heads, d, grid, blocks):
-    n, m = math.prod(grid), math.prod(blocks)
+    n = math.prod(grid)
     q, k, v, do = (torch.randn(1, n, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     return q, k, v, do, locality_mix(blocks).float().cuda()
 
@@ -115,43 +121,60 @@ ROPE_CANDIDATES = {
     "grad": ({"num_warps": 8, "num_stages": 1}, {"num_warps": 16, "num_stages": 1}, {"num_warps": 16, "num_stages": 2}),
     "summary": ({}, {"num_warps": 16, "maxnreg": None}),
 }
+# Overrides tried for short blocks (mhla.SHORT_CONFIG): one or two token tiles a program. 2026-12-01, first sweep
+# (H200, dit512 dit1024 sana1k): summary {block_n 64, 2 stages}, output {block_n 16, 4 warps}, grad {block_n 32}
+# kept (grad: f+b -29 % at both DiT sizes); 4-warp summaries won at SANA 1K only, split blocks lost everywhere.
+SHORT_CANDIDATES = {
+    "summary": ({}, {"block_n": 64, "num_stages": 2}, {"block_n": 64, "num_warps": 4, "num_stages": 2},
+                {"num_warps": 4}, {"block_n": 16, "num_warps": 4, "num_stages": 2}, {"programs": 2048}),
+    "output": ({}, {"block_n": 32}, {"block_n": 32, "num_warps": 4}, {"num_warps": 4},
+               {"block_n": 16, "num_warps": 4}, {"block_n": 32, "programs": 4096}),
+    "grad": ({}, {"block_n": 32}, {"block_n": 32, "num_warps": 8}, {"num_warps": 8, "num_stages": 1},
+             {"block_n": 16}, {"block_n": 32, "programs": 4096}),
+}
+SWEEPS = {"rope": (mhla.ROPE_CONFIG, ROPE_CANDIDATES, True), "short": (mhla.SHORT_CONFIG, SHORT_CANDIDATES, False)}
 
 
-def rope_sweep(shapes) -> None:
-    """Whole-op GPU time as Wan uses it (fwd, f+b) for each ROPE_CANDIDATES entry, kernel by kernel (summed
-    f+b over `shapes` decides, the best stays in mhla.ROPE_CONFIG); the plain op beside it, and the first
-    candidate again at the end (drift within the call)."""
-    for kernel, candidates in ROPE_CANDIDATES.items():
+def sweep(kind: str, shapes) -> None:
+    """Whole-op GPU time (fwd, f+b; as Wan uses it for the RoPE variants) for each candidate override of the
+    sweep's table (mhla.ROPE_CONFIG or mhla.SHORT_CONFIG), kernel by kernel: the summed fwd + f+b over `shapes`
+    decides and the best stays in the table. Then the plain op beside it, and the empty overrides again at the
+    end (drift within the call)."""
+    table, candidates, as_used = SWEEPS[kind]
+    for kernel, options in candidates.items():
         best = None
-        for cand in candidates:
-            mhla.ROPE_CONFIG[kernel] = dict(cand)
+        for cand in options:
+            table[kernel] = dict(cand)
             try:
-                times = {name: op_times(name, as_used=True) for name in shapes}
+                times = {name: op_times(name, as_used=as_used) for name in shapes}
             except Exception as err:  # a config the compiler rejects
-                print(f"rope {kernel} {cand}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                print(f"{kind} {kernel} {cand}: {type(err).__name__}: {str(err)[:200]}", flush=True)
                 continue
-            cost = sum(fb for _, fb in times.values())
-            print(f"rope {kernel} {cand}: " + ", ".join(f"{n} {f:.4f} / {fb:.4f}" for n, (f, fb) in times.items()),
+            cost = sum(f + fb for f, fb in times.values())
+            print(f"{kind} {kernel} {cand}: " + ", ".join(f"{n} {f:.4f} / {fb:.4f}" for n, (f, fb) in times.items()),
                   flush=True)
             if best is None or cost < best[0]:
                 best = (cost, cand)
-        mhla.ROPE_CONFIG[kernel] = dict(best[1])
-        print(f"rope {kernel}: keep {best[1]}", flush=True)
-    print("rope final " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=True)}" for n in shapes))
-    print("plain      " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n)}" for n in shapes))
-    for kernel in ROPE_CANDIDATES:
-        mhla.ROPE_CONFIG[kernel] = {}
-    print("rope none  " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=True)}" for n in shapes), flush=True)
+        table[kernel] = dict(best[1])
+        print(f"{kind} {kernel}: keep {best[1]}", flush=True)
+    print(f"{kind} final " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=as_used)}" for n in shapes))
+    if as_used:
+        print("plain      " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n)}" for n in shapes))
+    for kernel in candidates:
+        table[kernel] = {}
+    print(f"{kind} none  " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=as_used)}" for n in shapes),
+          flush=True)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", nargs="*", choices=list(mhla.CONFIG), help="kernels whose config to tune")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--rope-sweep", action="store_true", help="only sweep the RoPE variants' launch options")
+    parser.add_argument("--shapes", nargs="+", default=["wan480", "wan720"], choices=list(SHAPES))
+    parser.add_argument("--sweep", choices=list(SWEEPS),
+                        help="only sweep the launch-option overrides of the RoPE variants or of short blocks")
     args = parser.parse_args(argv)
-    if args.rope_sweep:
-        return rope_sweep(args.shapes)
+    if args.sweep:
+        return sweep(args.sweep, args.shapes)
     for kernel in args.tune or ():
         tune(kernel, args.shapes[0])
     for name in args.shapes:
