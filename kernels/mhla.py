@@ -17,11 +17,6 @@ Summaries are laid out block-major, (M, B*heads, D, Dv), so that mixing across b
 dS = mix^T dS~) is one plain GEMM, (M x M) @ (M x B*heads*D*Dv), in PyTorch; dmix, the Gram matrix of
 two such (M x B*heads*D*Dv) operands, is a fourth kernel, `_gram_kernel`.
 
-Small token counts, forward without autograd: `_dense_kernel` evaluates the same output from
-the dense formula, o_n = sum_j Mc[b(n), b(j)] (rope(phi(q_n)) . rope(phi(k_j))) v_j [/ den_n], in
-query x key tiles as flash attention does (O(N^2 D) work, O(N) memory, one launch). At a few
-hundred tokens that beats the linear path, whose 4 launches of tiny latency-bound programs cost
-more than the arithmetic they save; by 1,024 tokens it no longer does (op.DENSE_MAX_TOKENS).
 Head dims D, Dv are constexprs: a run-time integer that is no multiple of 16 (DiT's and PixArt's 72) leaves the
 compiler unable to prove the `d < D` masks constant over 8 lanes, and every token load became a scalar 2-byte
 load without async copies (H200, DiT-XL/2 512 px: fwd 0.067 -> 0.057 ms, f+b 0.335 -> 0.293; kernels/NOTES.md).
@@ -128,15 +123,6 @@ def _raster(r, t0, h0, w0, lh, lw, H, W, START):
 def _state_row(m, bh):
     """Row of block m, batch-head bh in the block-major (M, B*heads, ...) summaries; grid axis 0 is B*heads."""
     return (m * tl.num_programs(0) + bh).to(tl.int64)
-
-
-@triton.jit
-def _block_of(n, T, H, W, NBT, NBH, NBW):
-    """Block id of raster tokens n: per axis the i with floor(iL/nb) <= pos < floor((i+1)L/nb)."""
-    it = ((n // (H * W) + 1) * NBT - 1) // T
-    ih = (((n // W) % H + 1) * NBH - 1) // H
-    iw = ((n % W + 1) * NBW - 1) // W
-    return (it * NBH + ih) * NBW + iw
 
 
 @triton.jit
@@ -353,52 +339,6 @@ def _grad_kernel(
 
 
 @triton.jit
-def _dense_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, mix_ptr, o_ptr,
-    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, scb, scn, sch, scd, sob, son, soh,
-    heads, N, M, T, H, W, NBT, NBH, NBW, D: tl.constexpr, DV: tl.constexpr, eps,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-):
-    bh, pid_q = tl.program_id(0), tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    q_ptr = _head(q_ptr, b, h, sqb, sqh)
-    k_ptr = _head(k_ptr, b, h, skb, skh)
-    v_ptr = _head(v_ptr, b, h, svb, svh)
-    o_ptr = _head(o_ptr, b, h, sob, soh)
-    cos_ptr = _head(cos_ptr, b, h, scb, sch)
-    sin_ptr = _head(sin_ptr, b, h, scb, sch)
-    d = tl.arange(0, BLOCK_D)
-    e = tl.arange(0, BLOCK_DV)
-    mask_d, mask_e = d < D, e < DV
-    n = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    mask_n = n < N
-    fq, rq = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n.to(tl.int64), mask_n, d, mask_d,
-                       BLOCK_Q, BLOCK_D, ELU, ROPE)
-    rows = _block_of(n, T, H, W, NBT, NBH, NBW) * M  # this tile's rows of the mixing matrix
-    acc = tl.zeros((BLOCK_Q, BLOCK_DV), tl.float32)
-    den = tl.zeros((BLOCK_Q,), tl.float32)
-    for j0 in range(0, N, BLOCK_K):
-        j = j0 + tl.arange(0, BLOCK_K)
-        mask_j = j < N
-        fk, rk = _features(k_ptr, skn, cos_ptr, sin_ptr, scn, scd, j.to(tl.int64), mask_j, d, mask_d,
-                           BLOCK_K, BLOCK_D, ELU, ROPE)
-        w = tl.load(mix_ptr + rows[:, None] + _block_of(j, T, H, W, NBT, NBH, NBW)[None, :],
-                    mask=mask_n[:, None] & mask_j[None, :], other=0.0)
-        a = tl.dot(rq.to(DOT), tl.trans(rk.to(DOT)), input_precision=PRECISION) * w
-        y = _load_rows(v_ptr, j.to(tl.int64), svn, mask_j, e, mask_e)
-        acc += tl.dot(a.to(DOT), y.to(DOT), input_precision=PRECISION)
-        if NORMALIZE:
-            if ROPE:  # the normalizer sees unrotated features
-                a = tl.dot(fq.to(DOT), tl.trans(fk.to(DOT)), input_precision=PRECISION) * w
-            den += tl.sum(a, axis=1)
-    if NORMALIZE:
-        acc = acc / (den + eps)[:, None]
-    tl.store(o_ptr + n.to(tl.int64)[:, None] * son + e[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=mask_n[:, None] & mask_e[None, :])
-
-
-@triton.jit
 def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """out[i, j] += sum over f of a[i, f] b[j, f] ((M, F) operands), f split over programs.
@@ -486,7 +426,6 @@ CONFIG = {
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
-    "dense": {"block_q": 64, "block_k": 64, "num_warps": 4, "num_stages": 2},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
 # memory per token tile than the plain kernel).
@@ -599,27 +538,6 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
         q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
         g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
-        ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
-        **_launch(cfg),
-    )
-    return o
-
-
-def dense_output(q, k, v, mix, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
-    """The whole forward from the dense formula, tile by tile (no summaries, one launch)."""
-    cfg = dict(CONFIG["dense"])
-    block_d, block_dv = _pow2(g.D), _pow2(g.DV)
-    if q.dtype == torch.float32 or max(block_d, block_dv) > MAX_TILE:  # shared memory and registers
-        cfg.update(block_q=32, block_k=32, num_warps=8, num_stages=1)
-    o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=v.dtype)
-    cos, sin, cs = _rope_args(rope, g, q)
-    dot, precision = _dot_types(q.dtype)
-    _dense_kernel[(g.BH, triton.cdiv(g.N, cfg["block_q"]))](
-        q, k, v, cos, sin, mix.float().contiguous(), o,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
-        g.heads, g.N, g.M, *g.args, g.D, g.DV, eps,
-        BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"], BLOCK_D=block_d, BLOCK_DV=block_dv,
         ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
         **_launch(cfg),
     )

@@ -6,8 +6,6 @@ so that a context-parallel call can sum one rank's partial summaries over the ra
 differentiable all-reduce, whose backward sums the summaries' gradients the same way before the
 summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) with nothing between.
 Besides the inputs, the backward keeps only S and z. Gradients flow to q, k, v and mix; RoPE tables get none.
-`mhla_dense` (dense formula, one launch) is the forward-only small-N kernel, taken when no gradient is needed by
-calls that hold the whole grid.
 The ops take the call's block geometry, token slice and options flattened by `op_args` (torch.library
 schemas take ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
 """
@@ -20,11 +18,6 @@ import torch
 from ..blocks import block_geometry
 from . import mhla
 from .capabilities import FEATURES
-
-# Forward calls that need no gradient take the one-launch dense kernel up to this many tokens.
-# H200, bf16, GPU time dense vs linear path: 16 heads x 72 at N = 256 0.034 vs 0.061 ms (eager 0.18
-# vs 0.33), at N = 1,024 0.156 vs 0.151, at N = 4,096 2.92 vs 0.36; 70 x 32 at N = 1,024 0.36 vs 0.09.
-DENSE_MAX_TOKENS = 256
 
 
 def op_args(geometry, options, start: int = 0) -> tuple:
@@ -119,24 +112,6 @@ def _(do, q, mix, s, z, *options):
     return q.new_empty(q.shape), mix.new_empty(mix.shape), s.new_empty(s.shape), z.new_empty(z.shape)
 
 
-@torch.library.custom_op("mhla_diffusion::mhla_dense", mutates_args=())
-def mhla_dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
-    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-    geometry: list[int], normalize: bool, eps: float, feature: str,
-) -> torch.Tensor:
-    """The O(N^2) dense formula in one launch, forward only (no autograd registered): the dispatcher's calls that
-    need no gradient."""
-    g, kw = _decode(q, v, geometry, normalize, eps, feature)
-    q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-    return mhla.dense_output(q, k, v, mix, _rope(cos, sin), g, **kw)
-
-
-@mhla_dense.register_fake
-def _(q, k, v, mix, cos, sin, *options):
-    return q.new_empty((*q.shape[:3], v.shape[-1]), dtype=v.dtype)
-
-
 def _save_summaries_inputs(ctx, inputs, output):
     k, v, cos, sin, *options = inputs
     ctx.save_for_backward(k, v, cos, sin)
@@ -204,8 +179,4 @@ def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, r
     """
     cos, sin = kernel_tables(rope, q.dtype)
     args = op_args(geometry, options, start)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mix))
-    whole = q.shape[1] == geometry.num_tokens
-    if not needs_grad and whole and q.shape[1] <= DENSE_MAX_TOKENS:
-        return mhla_dense(q, k, v, mix, cos, sin, *args)
     return mhla_linear(q, k, v, mix, cos, sin, args, reduce)

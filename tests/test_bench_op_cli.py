@@ -36,14 +36,6 @@ def test_ratios_and_table():
     assert "0.800*" in fwdbwd and "1.50x" in fwdbwd  # eager-timed (profiler GPU time) cells are starred
 
 
-def test_small_n_table_times_every_no_grad_path():
-    row = _row({"mhla": {"fwd": {"ms": 0.03, "how": "graph", "eager_ms": 0.1}},
-                "cudnn": {"fwd": {"ms": 0.02, "how": "graph", "eager_ms": 0.05}}})
-    row.update(bench.ratios(row), no_grad_fwd_ms={"dense": 0.15, "linear": 0.065})
-    table = bench._table([row], "GPU", 4e12, "bfloat16", 1)
-    assert "| s | 4,096 | 4 | 0.150 | 0.065 | 0.030 | 0.020 |" in table.splitlines()
-
-
 def test_missing_impls_give_nan_ratios_and_dashes():
     row = _row({"mhla": {"fwd": {"ms": 0.1, "how": "graph", "eager_ms": 0.2},
                          "fwdbwd": {"ms": math.nan, "error": "no kernel"}}})

@@ -29,12 +29,9 @@ CASES = [
     "rope normalized split programs",
     "rope unnormalized split programs",
     "D=136 Dv=72 (tiled D and Dv)",
+    "rope normalized D=136 Dv=72",
     "fp16 rope",
     "fp16 block sums beyond fp16 range",
-    "dense ragged relu normalized",
-    "dense elu rope unnormalized Dv!=D",
-    "dense rope normalized D=136 Dv=72",
-    "dense fp16",
     "stages",
     "stages split programs",
     "torch.compile fullgraph",
@@ -148,8 +145,7 @@ def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_
     out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed")
     torch.testing.assert_close(out, dense_mhla(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed"))
     with pytest.raises(ValueError, match="not 'cubed'"):
-        op.mhla_dense(q.float(), k.float(), v.float(), mix.float(), None, None, [1, 3, 4, 1, 2, 2, 0], True, 1e-6,
-                      "cubed")
+        op.mhla_summaries(k.float(), v.float(), None, None, [1, 3, 4, 1, 2, 2, 0], True, 1e-6, "cubed")
 
 
 def test_unknown_backend_is_rejected():
@@ -216,8 +212,7 @@ def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, monkeypatc
         seen.update(cos=cos.dtype, sin=sin.dtype)
         return torch.zeros_like(v)
 
-    for path in ("mhla_linear", "mhla_dense"):  # whichever path the call's size takes
-        monkeypatch.setattr(op, path, fake_linear)
+    monkeypatch.setattr(op, "mhla_linear", fake_linear)
     q = torch.randn(1, 512, 2, 8).to(dtype)
     angle = torch.rand(1, 512, 1, 8)
     op.mhla_attention_triton(q, q, q, locality_mix((1, 2, 2)).float(), block_geometry((1, 16, 32), (1, 2, 2)),

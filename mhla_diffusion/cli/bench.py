@@ -145,9 +145,6 @@ def _time_op(bench, fn, leaves, do, backward: bool) -> float:
     return bench(lambda: fn(*leaves).backward(do), grad_to_none=leaves, return_mode="median")
 
 
-# Shapes up to this many tokens also time each path of a no-grad forward (`bench_shape`).
-NO_GRAD_PATHS_MAX_TOKENS = 4096
-
 SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles: H200's top clock (a slower clock holds longer)
 
 
@@ -214,11 +211,7 @@ def ratios(row: dict) -> dict:
 def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, profile: bool = False,
                 impls=None) -> dict:
     """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs."""
-    from triton.testing import do_bench_cudagraph
-
     from ..blocks import block_geometry, locality_mix
-    from ..kernels import op
-    from ..ops import MHLAOptions
 
     geometry = block_geometry(shape.grid, shape.blocks)
     blocks = geometry.blocks
@@ -245,12 +238,6 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
                 row["times"][name][key] = {"ms": math.nan, "error": str(err).splitlines()[0]}
             torch.cuda.empty_cache()
     row.update(ratios(row))
-    if n <= NO_GRAD_PATHS_MAX_TOKENS and (not impls or "mhla" in impls):
-        # every path a no-grad forward can take, side by side: op.DENSE_MAX_TOKENS is set from it
-        options = (None, None, *op.op_args(geometry, MHLAOptions()))
-        paths = {"dense": op.mhla_dense, "linear": lambda q, k, v, mix, cos, sin, *args: op.mhla_linear(q, k, v, mix, cos, sin, args)}
-        row["no_grad_fwd_ms"] = {name: _time_op(do_bench_cudagraph, lambda q, k, v, mix, f=f: f(q, k, v, mix, *options),
-                                                leaves, do, False) for name, f in paths.items()}
     if profile:
         for name in ("mhla", "mhla_used"):
             if name not in fns or (impls and name not in impls):
@@ -364,14 +351,6 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
                 cells += [f"{eager:.3f}"] + [_ratio(r[f"{x}_{key}"]) for x in ("mhla_vs_cudnn", "mhla_vs_linear",
                                                                               "used_vs_mhla")]
             lines.append("| " + " | ".join(cells) + " |")
-    small = [r for r in rows if "no_grad_fwd_ms" in r]
-    if small:
-        lines += ["", "Forward without gradients at small N (GPU time, CUDA graph): the one-launch dense kernel and "
-                  "the linear path (the op takes dense up to DENSE_MAX_TOKENS; 'MHLA' is what it took).", "",
-                  "| shape | N | M | dense | linear | MHLA | cuDNN |", "|---" * 7 + "|"]
-        lines += [f"| {r['shape']} | {r['N']:,} | {r['M']} | " + " | ".join(f"{r['no_grad_fwd_ms'][p]:.3f}" for p in
-                  ("dense", "linear")) + f" | {_cell(r['times']['mhla']['fwd'])} "
-                  f"| {_cell(r['times'].get('cudnn', {}).get('fwd'))} |" for r in small]
     errors = [f"{r['shape']} {n} {key}: {t['error']}" for r in rows for n, ts in r["times"].items()
               for key, t in ts.items() if "error" in t]
     if errors:

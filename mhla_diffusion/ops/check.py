@@ -3,8 +3,8 @@
 Run through `mhla-diffusion bench op --check`. For each case: fresh random inputs, output and
 gradient buffers poisoned with NaN beforehand (the caching allocator hands the poisoned blocks
 back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix and of the
-no-grad forward (the one-launch dense kernel at small N), and no NaN/Inf. Cases with "ranks" run the
-op as that many context-parallel ranks would, one after another on this GPU (`as_ranks`).
+no-grad forward, and no NaN/Inf. Cases with "ranks" run the op as that many context-parallel ranks
+would, one after another on this GPU (`as_ranks`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ CASES = [
     ("d136/dv40 ragged B=2, 4 ranks", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2, "ranks": 4}),
     ("few blocks (split summaries), 2 ranks", 2, 64, 64, (4, 32, 32), (1, 2, 2), {"ranks": 2}),
     ("rope unnorm ragged B=2", 6, 64, 40, (3, 13, 23), (2, 3, 4), {"normalize": False, "rope": True, "batch": 2}),
-    ("dit-xl-256 (no-grad: the dense kernel)", 16, 72, 72, (1, 16, 16), "auto", {}),  # N = 256 = DENSE_MAX_TOKENS
+    ("dit-xl-256", 16, 72, 72, (1, 16, 16), "auto", {}),
 ]
 
 
@@ -116,7 +116,7 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     errors = {"o": _rel(o, ref)}
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
     _poison(outs[:1], device)
-    with torch.no_grad():  # inference: the dispatch's choice (kernels.op: the one-launch dense kernel at small N)
+    with torch.no_grad():  # inference: the same op without autograd
         o = triton_op(*leaves)
     errors["o no-grad"] = _rel(o, ref.detach())
     worst = max(errors.values())
