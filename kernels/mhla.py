@@ -432,8 +432,8 @@ CONFIG = {
 # grad: 16 warps, 1 stage (H200, 2026-12-01: the dk/dv kernel spilled 1,240 bytes at 4 warps and 2 stages; op f+b as
 # Wan uses it 7.31 -> 6.62 ms at 14B 720p with 8 warps, 1 stage, 6.59 -> 6.53 with 16; kernels/NOTES.md, fifth pass).
 ROPE_CONFIG = {"summary": {}, "output": {}, "grad": {"num_warps": 16, "num_stages": 1}}
-# Overrides of a kernel's CONFIG entry for calls whose blocks hold at most SHORT_BLOCK tokens (DiT-XL/2 and PixArt up
-# to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth, sets the time.
+# Overrides of a kernel's CONFIG entry for bf16 calls without RoPE whose blocks hold at most SHORT_BLOCK tokens (DiT-XL/2
+# and PixArt up to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth, sets the time.
 # H200, 2026-12-01 (`tune.py --sweep short`, whole op, GPU time, fwd / f+b): DiT-XL/2 512 px 0.057 / 0.290 ->
 # 0.055 / 0.206, 1024 px 0.117 / 0.520 -> 0.111 / 0.367, SANA-1.6B 1K 0.055 / 0.168 -> 0.050 / 0.165; the grad
 # kernels' 32-token tiles give most of it (kernels/NOTES.md).
@@ -443,8 +443,8 @@ SHORT_CONFIG = {"summary": {"block_n": 64, "num_stages": 2}, "output": {"block_n
 
 
 def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False) -> dict:
-    """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; SHORT_CONFIG's overrides for blocks of at most
-    SHORT_BLOCK tokens, and with `rope`, ROPE_CONFIG's on top);
+    """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; for such calls without RoPE whose blocks hold at most
+    SHORT_BLOCK tokens, SHORT_CONFIG's overrides; with `rope`, ROPE_CONFIG's);
     for fp32 operands or D tiles over 128, a small unpipelined tile on 8 warps without a register cap, so
     shared memory and registers suffice.
 
@@ -452,9 +452,11 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
     many token tiles (H200: Wan, 14B, SANA-like D = 112 gain; narrower D tiles, and DiT-XL at <= 64
     tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles.
     """
-    cfg = {**CONFIG[kernel], **(SHORT_CONFIG.get(kernel, {}) if max_len <= SHORT_BLOCK else {}),
+    tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
+    short = tuned and not rope and max_len <= SHORT_BLOCK  # where `tune.py --sweep short` measured SHORT_CONFIG
+    cfg = {**CONFIG[kernel], **(SHORT_CONFIG.get(kernel, {}) if short else {}),
            **(ROPE_CONFIG.get(kernel, {}) if rope else {})}
-    if dtype != torch.bfloat16 or block_d > MAX_TILE:
+    if not tuned:
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
     elif block_d < MAX_TILE or max_len < 4 * cfg["block_n"]:
         cfg["maxnreg"] = None

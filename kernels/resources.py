@@ -2,15 +2,15 @@
 
     python -c "from mhla_diffusion.kernels.resources import main; main()" [--sass DIR]
 
-For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`, `mhla.ROPE_CONFIG` for RoPE
-rows), specialized as the JIT specializes a Wan2.1 call (pointers and strides, RoPE tables' included, divisible by
-16; head dims are constexprs: 128, and 72 in the DiT rows; bf16 summaries and RoPE tables, as an all-bf16 call
-passes them), prints registers per
-thread, stack (spilled) bytes, shared memory, and counts of the SASS instructions that decide speed:
-tensor-core ops (HGMMA), async copies (LDGSTS), 16-byte and scalar 16-bit global loads, local-memory
-traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
-Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps
-mean one program per SM; LDG.E.U16 in a hot loop means a load lost its vectorization.
+For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`, `mhla.ROPE_CONFIG` for RoPE rows,
+`mhla.SHORT_CONFIG` for the DiT rows' 42-token blocks), specialized as the JIT specializes a Wan2.1 call (pointers
+and strides, RoPE tables' included, divisible by 16; head dims are constexprs: 128, and 72 in the DiT rows; bf16
+summaries and RoPE tables, as an all-bf16 call passes them), prints registers per thread, stack (spilled) bytes,
+shared memory, and counts of the SASS instructions that decide speed: tensor-core ops (HGMMA: Hopper's wgmma; HMMA:
+the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and scalar 16-bit global loads,
+local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
+Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
+per SM; LDG.E.U16 in a hot loop means a load lost its vectorization.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ HOPPER = GPUTarget("cuda", 90, 32)
 FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr"}
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
 DIVISIBLE = re.compile(r"^s[a-z]*[bnh]$")
-INSTRUCTIONS = ("HGMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
+INSTRUCTIONS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
 BF16 = dict(DOT=tl.bfloat16, PRECISION="tf32", scd=1)  # RoPE tables: unit stride along D (JIT: constant 1)
 TILE = dict(BLOCK_D=128, BLOCK_DV=128, D=128, DV=128)  # head dims are constexprs: masks at D = 72 vectorize too
 WAN_BLOCK_TOKENS = 7 * 8 * 11  # longest block of Wan2.1-1.3B 480p: grid (21, 30, 52) cut (3, 4, 5)
-# name: (kernel, CONFIG entry, constexprs besides the config's block_n)
+DIT_BLOCK_TOKENS = 7 * 6  # longest block of DiT-XL/2 512 px: grid (1, 32, 32) cut (1, 5, 6); mhla.SHORT_CONFIG applies
+# name: (kernel, CONFIG entry, constexprs besides the config's block_n[, tokens of the longest block: Wan's if absent])
 KERNELS = {
     "summary fwd": (mhla._summary_kernel, "summary", dict(
         D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, ATOMIC=False)),
@@ -54,13 +55,14 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
     "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
         DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
-    # DiT and PixArt heads (16 x 72): a head dim that is no multiple of 16, in the same 128-wide tiles
+    # DiT and PixArt heads (16 x 72): a head dim that is no multiple of 16, in the same 128-wide tiles, short blocks
     "summary fwd d72": (mhla._summary_kernel, "summary", dict(
         D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, ATOMIC=False,
-        D=72, DV=72)),
-    "output d72": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True, D=72, DV=72)),
+        D=72, DV=72), DIT_BLOCK_TOKENS),
+    "output d72": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True, D=72, DV=72),
+                   DIT_BLOCK_TOKENS),
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(
-        DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72)),
+        DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),
 }
 
 
@@ -113,10 +115,11 @@ def usage(compiled) -> dict:
 
 
 def report() -> dict:
-    """Usage of each kernel in KERNELS at its bf16 128 x 128 configuration."""
+    """Usage of each kernel in KERNELS at the bf16 128 x 128 configuration its block length gets."""
     rows = {}
-    for name, (kernel, entry, constexprs) in KERNELS.items():
-        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], WAN_BLOCK_TOKENS, constexprs["ROPE"])
+    for name, (kernel, entry, constexprs, *block_tokens) in KERNELS.items():
+        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],
+                           constexprs["ROPE"])
         compiled = compile_for_hopper(kernel, {**TILE, **constexprs, **BF16, "BLOCK_N": cfg["block_n"]},
                                       mhla._launch(cfg))
         rows[name] = usage(compiled)

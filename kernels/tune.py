@@ -132,52 +132,77 @@ SHORT_CANDIDATES = {
     "grad": ({}, {"block_n": 32}, {"block_n": 32, "num_warps": 8}, {"num_warps": 8, "num_stages": 1},
              {"block_n": 16}, {"block_n": 32, "programs": 4096}),
 }
-SWEEPS = {"rope": (mhla.ROPE_CONFIG, ROPE_CANDIDATES, True), "short": (mhla.SHORT_CONFIG, SHORT_CANDIDATES, False)}
+# name: (override table, candidates, time the op as Wan uses it, default shapes: where the table applies)
+SWEEPS = {"rope": (mhla.ROPE_CONFIG, ROPE_CANDIDATES, True, ("wan480", "wan720")),
+          "short": (mhla.SHORT_CONFIG, SHORT_CANDIDATES, False, ("dit512", "dit1024", "sana1k"))}
 
 
-def sweep(kind: str, shapes) -> None:
+def sweep(kind: str, shapes=None) -> dict:
     """Whole-op GPU time (fwd, f+b; as Wan uses it for the RoPE variants) for each candidate override of the
     sweep's table (mhla.ROPE_CONFIG or mhla.SHORT_CONFIG), kernel by kernel: the summed fwd + f+b over `shapes`
-    decides and the best stays in the table. Then the plain op beside it, and the empty overrides again at the
-    end (drift within the call)."""
-    table, candidates, as_used = SWEEPS[kind]
-    for kernel, options in candidates.items():
-        best = None
-        for cand in options:
-            table[kernel] = dict(cand)
-            try:
-                times = {name: op_times(name, as_used=as_used) for name in shapes}
-            except Exception as err:  # a config the compiler rejects
-                print(f"{kind} {kernel} {cand}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-                continue
-            cost = sum(f + fb for f, fb in times.values())
-            print(f"{kind} {kernel} {cand}: " + ", ".join(f"{n} {f:.4f} / {fb:.4f}" for n, (f, fb) in times.items()),
-                  flush=True)
-            if best is None or cost < best[0]:
-                best = (cost, cand)
-        table[kernel] = dict(best[1])
-        print(f"{kind} {kernel}: keep {best[1]}", flush=True)
-    print(f"{kind} final " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=as_used)}" for n in shapes))
-    if as_used:
-        print("plain      " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n)}" for n in shapes))
-    for kernel in candidates:
-        table[kernel] = {}
-    print(f"{kind} none  " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=as_used)}" for n in shapes),
-          flush=True)
+    decides (the RoPE sweeps before 2026-12-01, session 27, summed f+b alone). Then the winners together, the plain
+    op beside them (RoPE), the empty overrides (drift within the call); the table is left holding the winners, which
+    are returned (a kernel whose every candidate failed keeps the override it had)."""
+    table, candidates, as_used, default_shapes = SWEEPS[kind]
+    shapes = shapes or default_shapes
+    if kind == "short" and not any(_max_block_tokens(name) <= mhla.SHORT_BLOCK for name in shapes):
+        raise ValueError(f"no shape among {shapes} has blocks of <= {mhla.SHORT_BLOCK} tokens: SHORT_CONFIG would not "
+                         "apply; pick short shapes (dit512, dit1024, sana1k)")
+    winners = {kernel: dict(table.get(kernel, {})) for kernel in candidates}
+    try:
+        for kernel, options in candidates.items():
+            best = None
+            for cand in options:
+                table[kernel] = dict(cand)
+                try:
+                    times = {name: op_times(name, as_used=as_used) for name in shapes}
+                except Exception as err:  # a config the compiler rejects
+                    print(f"{kind} {kernel} {cand}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                    continue
+                cost = sum(f + fb for f, fb in times.values())
+                print(f"{kind} {kernel} {cand}: " + ", ".join(f"{n} {f:.4f} / {fb:.4f}" for n, (f, fb) in times.items()),
+                      flush=True)
+                if best is None or cost < best[0]:
+                    best = (cost, cand)
+            if best is not None:
+                winners[kernel] = dict(best[1])
+            table[kernel] = dict(winners[kernel])
+            print(f"{kind} {kernel}: keep {winners[kernel]}", flush=True)
+        print(f"{kind} final " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=as_used)}" for n in shapes))
+        if as_used:
+            print("plain      " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n)}" for n in shapes))
+        for kernel in candidates:
+            table[kernel] = {}
+        print(f"{kind} none  " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=as_used)}" for n in shapes),
+              flush=True)
+    finally:
+        table.update({kernel: dict(w) for kernel, w in winners.items()})
+    return winners
+
+
+def _max_block_tokens(name: str) -> int:
+    """Tokens of the fullest block of a SHAPES entry (the `max_len` the launch config sees)."""
+    _, _, grid, blocks = SHAPES[name]
+    return block_geometry(grid, blocks).slice_blocks(0, math.prod(grid))[2]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", nargs="*", choices=list(mhla.CONFIG), help="kernels whose config to tune")
-    parser.add_argument("--shapes", nargs="+", default=["wan480", "wan720"], choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
+                        help="default: the Wan shapes; for --sweep, the shapes its table applies to")
     parser.add_argument("--sweep", choices=list(SWEEPS),
                         help="only sweep the launch-option overrides of the RoPE variants or of short blocks")
     args = parser.parse_args(argv)
     if args.sweep:
-        return sweep(args.sweep, args.shapes)
+        sweep(args.sweep, args.shapes)
+        return
+    shapes = args.shapes or ["wan480", "wan720"]
     for kernel in args.tune or ():
-        tune(kernel, args.shapes[0])
-    for name in args.shapes:
+        if _max_block_tokens(shapes[0]) <= mhla.SHORT_BLOCK:
+            raise ValueError(f"{shapes[0]} has short blocks, where SHORT_CONFIG masks CONFIG: use --sweep short")
+        tune(kernel, shapes[0])
+    for name in shapes:
         for stage, ms in stages(name).items():
             print(f"{name:7s} {stage:22s} {ms:.4f} ms")
         print(f"{name:7s} op fwd / fwd+bwd        {'%.4f / %.4f' % op_times(name)} ms")

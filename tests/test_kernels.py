@@ -156,7 +156,8 @@ def test_unknown_backend_is_rejected():
 
 def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     """`kernels/resources.py` compiles every token kernel for sm_90 on this CPU-only machine and reads the
-    binaries: all run on wgmma, and the bf16 forward summary keeps to 128 registers (two programs per SM)
+    binaries: all run on tensor cores (wgmma at Wan's block length; the short blocks' small token tiles take the
+    warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM)
     with async-copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim
     (72, no multiple of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they
     were scalar 2-byte loads without async copies (the JIT marks only multiples of 16)."""
@@ -168,7 +169,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     rows = {cells[0]: dict(zip(header, cells)) for cells in
             ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
     assert set(rows) == set(resources.KERNELS)
-    assert all(int(row["HGMMA"]) > 0 for row in rows.values())
+    assert all(int(row["HGMMA"]) > 0 for name, row in rows.items() if not name.endswith("d72"))
+    assert all(int(row["HGMMA"]) + int(row["HMMA"]) > 0 for row in rows.values())
     forward = rows["summary fwd"]
     assert int(forward["regs"]) <= 128 and int(forward["stack B"]) == 0 and int(forward["LDL"]) == 0
     assert int(forward["LDGSTS"]) > 0 and int(forward["LDG.E.U16"]) == 0
@@ -178,6 +180,47 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
+
+
+def test_launch_sweep_keeps_each_kernels_fastest_override(monkeypatch):
+    """`tune.py --sweep short` (a GPU tool; its timing faked here): coordinate descent keeps, kernel by kernel, the
+    candidate with the least summed time, skips candidates that fail to compile, leaves the winners in
+    mhla.SHORT_CONFIG, and refuses shapes whose blocks are too long for the table to apply."""
+    from mhla_diffusion.kernels import mhla, tune
+
+    fast, broken = {"block_n": 32}, {"num_warps": 2}
+    candidates = {kernel: ({}, broken, fast) for kernel in ("summary", "output")}
+    monkeypatch.setitem(tune.SWEEPS, "short", (mhla.SHORT_CONFIG, candidates, False, ("dit512",)))
+
+    def fake_op_times(name, as_used=False):
+        if broken in mhla.SHORT_CONFIG.values():
+            raise RuntimeError("out of resources")
+        ms = sum(cfg != fast for cfg in mhla.SHORT_CONFIG.values()) + 1.0
+        return ms, 2 * ms
+
+    monkeypatch.setattr(tune, "op_times", fake_op_times)
+    committed = {kernel: dict(cfg) for kernel, cfg in mhla.SHORT_CONFIG.items()}
+    try:
+        assert tune.sweep("short") == {"summary": fast, "output": fast}
+        assert mhla.SHORT_CONFIG == {**committed, "summary": fast, "output": fast}
+        with pytest.raises(ValueError, match="SHORT_CONFIG would not apply"):
+            tune.main(["--sweep", "short", "--shapes", "wan480"])
+    finally:
+        mhla.SHORT_CONFIG.clear()
+        mhla.SHORT_CONFIG.update(committed)
+
+
+def test_short_block_overrides_apply_where_they_were_measured():
+    """SHORT_CONFIG was chosen on plain bf16 calls with tiles up to 128: fp32 and fp16 keep their own small tile, RoPE
+    calls their own overrides, long blocks CONFIG."""
+    from mhla_diffusion.kernels import mhla
+
+    short = mhla._config("output", torch.bfloat16, 128, 42)
+    assert {k: short[k] for k in mhla.SHORT_CONFIG["output"]} == mhla.SHORT_CONFIG["output"]
+    assert mhla._config("output", torch.bfloat16, 128, 616)["block_n"] == mhla.CONFIG["output"]["block_n"]
+    assert mhla._config("output", torch.float32, 128, 42) == mhla._config("output", torch.float32, 128, 616)
+    assert mhla._config("grad", torch.bfloat16, 128, 42, rope=True) == mhla._config("grad", torch.bfloat16, 128, 616,
+                                                                                  rope=True)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 import mhla_diffusion as md
 from mhla_diffusion import zoo

@@ -92,7 +92,7 @@ def run_model(args) -> int:
                              tokens=math.prod(latent_grid(model, latent)), attention=name, what=what, compile=args.compile,
                              ms=round(ms, 2), peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
-        del fwd
+        fwd = None  # the compiled graphs go before the next variant is built
         torch.cuda.empty_cache()
     base = {r["what"]: r["ms"] for r in rows if r["attention"] == "original"}
     for r in rows:

@@ -230,7 +230,7 @@ def results_markdown(results: dict, rows: list[tuple[str, str, int, str]]) -> st
         f"- digit classifier: test accuracy {clf.get('test_accuracy', math.nan):.4f} on the held-out scans; "
         f"FID on its {clf.get('features')}-d penultimate features against the {clf.get('train_n')} train scans",
         "",
-        f"| attention | blocks M | fine-tune steps | seeds | FID (mean ± std) | classifier accuracy (mean ± std) |",
+        "| attention | blocks M | fine-tune steps | seeds | FID (mean ± std) | classifier accuracy (mean ± std) |",
         "|---|---|---|---|---|---|",
     ]
     if real:
