@@ -99,6 +99,12 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def sigint_as_at_a_terminal():
+    """`preexec_fn` for a child that the test interrupts with SIGINT: a suite started in the background (`make test &`)
+    ignores SIGINT, which its children inherit, and Python then installs no KeyboardInterrupt handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_convert_leaves_dst_untouched(sig, tuned, tmp_path):
     src, _ = tuned
@@ -107,7 +113,8 @@ def test_interrupted_convert_leaves_dst_untouched(sig, tuned, tmp_path):
     before = logits(dst)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-c", SLOW_CONVERT, "convert", str(src), str(dst), "--overwrite", "--dtype", "fp16"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=sigint_as_at_a_terminal)
     assert proc.stdout.readline().strip() == "WRITING"  # mid-save: the transformer is written, the rest is not
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from test_recipes import REPO, launch, launch_command, noise_image, scalars
+from test_safe_convert import sigint_as_at_a_terminal
 
 from mhla_diffusion import zoo
 
@@ -84,7 +85,8 @@ def test_ctrl_c_leaves_whole_checkpoints_and_prints_the_resume_command(work):
     out = work / "interrupted"
     cmd, env = launch_command("train.py", *args(work, out, "--max_steps", "100000", "--checkpointing_steps", "1",
                                              "--checkpoints_total_limit", "2", "--log_every", "100"))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=sigint_as_at_a_terminal)
     deadline = time.monotonic() + 300
     while not list((out / "checkpoints").glob("checkpoint-*/progress.json")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
