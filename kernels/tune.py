@@ -16,15 +16,15 @@ import math
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from ..blocks import block_geometry, locality_mix
+from ..blocks import block_geometry, locality_mix, resolve_blocks
 from ..ops import mhla_attention  # the whole op as callers get it: a developer tool, not the kernels' own import
 from . import mhla
 
 SHAPES = {
     "wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8)),
-    # short blocks (mhla.SHORT_BLOCK), the op's 'auto' cut: DiT-XL/2 at 512 and 1024 px, SANA-1.6B at 1K
-    "dit512": (16, 72, (1, 32, 32), (1, 5, 6)), "dit1024": (16, 72, (1, 64, 64), (1, 8, 8)),
-    "sana1k": (70, 32, (1, 32, 32), (1, 5, 6)),
+    # short blocks (mhla.SHORT_BLOCK), in the op's 'auto' cut: DiT-XL/2 at 512 and 1024 px, SANA-1.6B at 1K
+    **{name: (heads, d, grid, resolve_blocks(grid, "auto")) for name, heads, d, grid in (
+        ("dit512", 16, 72, (1, 32, 32)), ("dit1024", 16, 72, (1, 64, 64)), ("sana1k", 70, 32, (1, 32, 32)))},
 }
 SWEEP = {
     "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "programs": (256, 1024, 4096),
