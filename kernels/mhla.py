@@ -8,6 +8,9 @@ then walk each block's tokens inside the slice, and summaries of the blocks it m
 - `_summary_kernel`: S_b = sum_j rope(phi(x_j))^T (y_j * ys_j), z_b = sum_j phi(x_j) * zw_j.
   Forward: x = k, y = v. Backward: x = q, y = dO, ys = 1/den, zw = c gives dS~, dz~.
 - `_output_kernel`: o_n = rope(phi(q_n)) S~_b / (phi(q_n) . z~_b + eps).
+- `_rstd_kernel`: 1 / RMS of each token across all heads, for an RMSNorm across heads (Wan's q/k norms) that the
+  summary and output kernels apply as they load k and q (`_features`, NORM); the output kernel can also RMSNorm
+  each head's output row before it stores it (OUT_NORM). Inference only (`ops.norms`).
 - `_grad_kernel`: P_n = y_n Mat_b^T; dx_n = phi'(x_n) * (rope^T(P_n * ps_n) + zs_n * vec_b),
   optionally dy_n = rope(phi(x_n)) Mat_b. Backward for q (y = dO, Mat = S~, vec = z~; the
   per-token 1/den and c = -(rope(phi(q)) . P)/den^2 are computed and stored on the way) and for
@@ -133,10 +136,14 @@ def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1):
 
 
 @triton.jit
-def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d,
-              BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr):
-    """phi(x) (zero outside the tile), and the rotated features used in numerators."""
+def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw_ptr, n, mask_n, d, mask_d,
+              BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+    """phi(x) (zero outside the tile), and the rotated features used in numerators. With NORM, x is first
+    RMSNormed across heads: x * rstd[n] * w[d] (the per-token rstd from `_rstd_kernel`, the head's weights)."""
     x = _load_rows(x_ptr, n, sxn, mask_n, d, mask_d)
+    if NORM:
+        x = (x * tl.load(xs_ptr + n, mask=mask_n, other=0.0)[:, None]
+             * tl.load(xw_ptr + d, mask=mask_d, other=0.0).to(tl.float32)[None, :])
     fx = _phi(x, ELU)  # relu of the masked loads' zeros is zero; elu + 1 of them is one:
     if ELU:
         fx = tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
@@ -174,19 +181,27 @@ def _rope_t(g, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BN: tl.constexp
 
 
 @triton.jit
-def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, sqn, scn, scd, son, mat, zt, eps, t0, h0, w0, lh, lw, r0, r1, H, W,
-                   START, d, mask_d, e, mask_e, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ELU: tl.constexpr,
-                   ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr, qw_ptr, gain_ptr, sqn, scn, scd, son, mat, zt, eps, out_eps,
+                   t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr,
+                   NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr, DOT: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """o = rope(phi(q)) mat [/ (phi(q) . zt + eps)] for the tokens [r0, r1) (raster order inside the block) of one
-    block whose mixed summary (mat, zt) the program holds: `_output_kernel`'s token loop."""
+    block whose mixed summary (mat, zt) the program holds: `_output_kernel`'s token loop. With OUT_NORM (the
+    program holds the head's whole Dv), each row is then RMSNormed and scaled by the head's gain."""
+    if OUT_NORM:
+        gain = tl.load(gain_ptr + e, mask=mask_e, other=0.0).to(tl.float32)
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
+        fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, qs_ptr, qw_ptr, n, mask_n, d, mask_d, BLOCK_N,
+                           BLOCK_D, ELU, ROPE, NORM_Q)
         out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
         if NORMALIZE:
             out = out / (tl.sum(fx * zt[None, :], axis=1) + eps)[:, None]
+        if OUT_NORM:  # columns past Dv are zeros: the sum of squares is the row's
+            out = out * tl.rsqrt(tl.sum(out * out, axis=1) / DV + out_eps)[:, None] * gain[None, :]
         tl.store(o_ptr + n[:, None] * son + e[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=mask_n[:, None] & mask_e[None, :])
 
@@ -196,13 +211,13 @@ def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, sqn, scn, scd, son, mat, zt, 
 
 @triton.jit
 def _summary_kernel(
-    x_ptr, y_ptr, cos_ptr, sin_ptr, ys_ptr, zw_ptr, s_ptr, z_ptr,
+    x_ptr, y_ptr, cos_ptr, sin_ptr, ys_ptr, zw_ptr, xs_ptr, xw_ptr, s_ptr, z_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd,
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
-    WITH_Z: tl.constexpr, ATOMIC: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WITH_Z: tl.constexpr, ATOMIC: tl.constexpr, NORM_X: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dt = (pid_t // DV_TILES) % D_TILES
@@ -214,6 +229,8 @@ def _summary_kernel(
     y_ptr = _head(y_ptr, b, h, syb, syh)
     cos_ptr = _head(cos_ptr, b, h, scb, sch)
     sin_ptr = _head(sin_ptr, b, h, scb, sch)
+    xs_ptr = xs_ptr + b * N
+    xw_ptr = xw_ptr + h * D
     d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
@@ -223,7 +240,8 @@ def _summary_kernel(
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
+        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw_ptr, n, mask_n, d, mask_d, BLOCK_N,
+                           BLOCK_D, ELU, ROPE, NORM_X)
         y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
         if SCALE_Y:
             y = y * tl.load(ys_ptr + bh * N + n, mask=mask_n, other=0.0)[:, None]
@@ -251,11 +269,12 @@ def _summary_kernel(
 
 @triton.jit
 def _output_kernel(
-    q_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr,
+    q_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, qs_ptr, qw_ptr, gain_ptr, o_ptr,
     sqb, sqn, sqh, scb, scn, sch, scd, sob, son, soh,
-    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps, out_eps,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
-    ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     vt = pid_t % DV_TILES
@@ -272,8 +291,9 @@ def _output_kernel(
     mat = tl.load(s_ptr + (base * D + d[:, None]) * DV + e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
     mat = mat.to(DOT)
     zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
-    _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, sqn, scn, scd, son, mat, zt, eps, t0, h0, w0, lh, lw, r0, r1, H, W,
-                   START, d, mask_d, e, mask_e, BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, DOT, PRECISION)
+    _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr + b * N, qw_ptr + h * D, gain_ptr + h * DV, sqn, scn, scd,
+                   son, mat, zt, eps, out_eps, t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV,
+                   BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, NORM_Q, OUT_NORM, DOT, PRECISION)
 
 
 @triton.jit
@@ -305,7 +325,8 @@ def _grad_kernel(
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D, ELU, ROPE)
+        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, x_ptr, x_ptr, n, mask_n, d, mask_d, BLOCK_N,
+                           BLOCK_D, ELU, ROPE, False)
         p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         for j in tl.static_range(DV_TILES):
             e = j * BLOCK_DV + e0
@@ -336,6 +357,24 @@ def _grad_kernel(
         dx = p * _dphi(fx, ELU)
         tl.store(dx_ptr + n[:, None] * sdxn + d[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=mask_n[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _rstd_kernel(x_ptr, out_ptr, sxb, sxn, sxh, N, heads, eps, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """out[b, n] = 1 / sqrt(mean of x[b, n]**2 over all heads and features + eps): an RMSNorm across heads, of
+    which the token kernels apply the rest (x * out[n] * weight) as they load x (`_features`)."""
+    pid_b, pid_n = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    mask_n, mask_d = n < N, d < D
+    x_ptr = x_ptr + pid_b.to(tl.int64) * sxb
+    acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    for h in range(heads):
+        x = _load_rows(x_ptr + h * sxh, n, sxn, mask_n, d, mask_d)
+        acc += x * x
+    rstd = tl.rsqrt(tl.sum(acc, axis=1) / (heads * D) + eps)
+    tl.store(out_ptr + pid_b * N + n, rstd, mask=mask_n)
 
 
 @triton.jit
@@ -440,11 +479,17 @@ ROPE_CONFIG = {"summary": {}, "output": {}, "grad": {"num_warps": 16, "num_stage
 SHORT_BLOCK = 128
 SHORT_CONFIG = {"summary": {"block_n": 64, "num_stages": 2}, "output": {"block_n": 16, "num_warps": 4},
                 "grad": {"block_n": 32}}
+# Overrides for the output kernel when it applies RMSNorms on the way (`ops.norms`: q across heads, the output per
+# head). H200, 2026-12-02, Wan's model blocks, RoPE, bf16, output kernel alone (ms, 8 -> 4 warps): 1.3B 480p
+# 0.190 -> 0.143 (without norms 0.101 / 0.096), 14B 720p 1.248 -> 0.849 (0.665 / 0.619); kernels/NOTES.md.
+NORMS_CONFIG = {"output": {"num_warps": 4}}
 
 
-def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False) -> dict:
+def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False,
+            norms: bool = False) -> dict:
     """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; for such calls without RoPE whose blocks hold at most
-    SHORT_BLOCK tokens, SHORT_CONFIG's overrides; with `rope`, ROPE_CONFIG's);
+    SHORT_BLOCK tokens, SHORT_CONFIG's overrides; with `rope`, ROPE_CONFIG's; such calls applying RMSNorms on the
+    way, NORMS_CONFIG's);
     for fp32 operands or D tiles over 128, a small unpipelined tile on 8 warps without a register cap, so
     shared memory and registers suffice.
 
@@ -455,7 +500,7 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
     tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
     short = tuned and not rope and max_len <= SHORT_BLOCK  # where `tune.py --sweep short` measured SHORT_CONFIG
     cfg = {**CONFIG[kernel], **(SHORT_CONFIG.get(kernel, {}) if short else {}),
-           **(ROPE_CONFIG.get(kernel, {}) if rope else {})}
+           **(ROPE_CONFIG.get(kernel, {}) if rope else {}), **(NORMS_CONFIG.get(kernel, {}) if norms and tuned else {})}
     if not tuned:
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
     elif block_d < MAX_TILE or max_len < 4 * cfg["block_n"]:
@@ -493,9 +538,11 @@ def _summary_buffer(shape, dtype, g: Geometry, device, zeros: bool) -> torch.Ten
     return buf
 
 
-def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None, dtype=None):
+def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale=None, z_weight=None, dtype=None,
+                    x_norm=None):
     """(S, z), block-major: S[m, bh] = sum rope(phi(x))^T (y * y_scale) in `dtype` (default `state_dtype`), and
     z[m, bh] = sum phi(x) * z_weight in fp32, over the call's tokens (zero for blocks its slice misses).
+    x_norm: (rstd (B, N) from `token_rstd`, weight (heads*D,)), x RMSNormed across heads on the way.
     Programs that split a block add into fp32 with atomics; S is rounded once after."""
     block_d = min(_pow2(g.D), MAX_TILE)
     cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
@@ -508,39 +555,54 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     z = _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, splits > 1 or not with_z)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
+    xs, xw = x_norm if x_norm is not None else (s, s)
     _summary_kernel[(g.BH, g.m_count * d_tiles * dv_tiles, splits)](
-        x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, s, z,
+        x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw, s, z,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
         g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, D_TILES=d_tiles, DV_TILES=dv_tiles,
         ELU=elu, ROPE=rope is not None, SCALE_Y=y_scale is not None, WEIGHT_Z=z_weight is not None,
-        WITH_Z=with_z, ATOMIC=splits > 1, DOT=dot, PRECISION=precision,
+        WITH_Z=with_z, ATOMIC=splits > 1, NORM_X=x_norm is not None, DOT=dot, PRECISION=precision,
         **_launch(cfg),
     )
     return s.to(state), z
 
 
-def _full_d_tiles(g: Geometry):
+def _full_d_tiles(d: int, dv: int):
     """Kernels that keep the whole (padded) D in registers tile Dv so that D x Dv_tile stays bounded."""
-    block_d = _pow2(g.D)
-    block_dv = min(_pow2(g.DV), max(16, MAX_TILE_AREA // block_d))
-    return block_d, block_dv, triton.cdiv(g.DV, block_dv)
+    block_d = _pow2(d)
+    block_dv = min(_pow2(dv), max(16, MAX_TILE_AREA // block_d))
+    return block_d, block_dv, triton.cdiv(dv, block_dv)
 
 
-def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, out_dtype):
-    """o = rope(phi(q)) S~_b [/ (phi(q) . z~_b + eps)], written in raster order."""
-    block_d, block_dv, dv_tiles = _full_d_tiles(g)
-    cfg = _config("output", q.dtype, block_d, g.max_len, rope is not None)
+def fuses_output_norm(d: int, dv: int) -> bool:
+    """Whether `block_output` can apply a per-head output norm: its programs hold a head's whole Dv."""
+    return _full_d_tiles(d, dv)[2] == 1
+
+
+def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, out_dtype,
+                 q_norm=None, out_norm=None):
+    """o = rope(phi(q)) S~_b [/ (phi(q) . z~_b + eps)], written in raster order. q_norm: (rstd, weight), q RMSNormed
+    across heads on the way; out_norm: (gain (heads, Dv), eps), each head's o RMSNormed and scaled by its gain
+    (only where `fuses_output_norm`)."""
+    block_d, block_dv, dv_tiles = _full_d_tiles(g.D, g.DV)
+    if out_norm is not None and dv_tiles > 1:
+        raise ValueError(f"the output kernel tiles Dv = {g.DV} (D = {g.D}) and cannot apply the output norm")
+    cfg = _config("output", q.dtype, block_d, g.max_len, rope is not None,
+                  norms=q_norm is not None or out_norm is not None)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count * dv_tiles, cfg["programs"])
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
     dot, precision = _dot_types(q.dtype)
+    qs, qw = q_norm if q_norm is not None else (o, o)
+    gain, out_eps = out_norm if out_norm is not None else (o, 0.0)
     _output_kernel[(g.BH, g.m_count * dv_tiles, triton.cdiv(g.max_len, tok))](
-        q, cos, sin, mixed_s, mixed_z, o,
+        q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
         q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
-        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps,
+        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
         BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
-        ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, DOT=dot, PRECISION=precision,
+        ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, NORM_Q=q_norm is not None,
+        OUT_NORM=out_norm is not None, DOT=dot, PRECISION=precision,
         **_launch(cfg),
     )
     return o
@@ -551,7 +613,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
 
     Returns (dx, dy or None, rden or None, c or None).
     """
-    block_d, block_dv, dv_tiles = _full_d_tiles(g)
+    block_d, block_dv, dv_tiles = _full_d_tiles(g.D, g.DV)
     cfg = _config("grad", x.dtype, block_d, g.max_len, rope is not None)
     tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count, cfg["programs"])
     dx = torch.empty((g.B, g.N, g.heads, g.D), device=x.device, dtype=x.dtype)
@@ -570,6 +632,16 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
         DOT=dot, PRECISION=precision, **_launch(cfg),
     )
     return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
+
+
+def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, N) fp32: 1 / RMS across all heads and features of each token of x (B, N, heads, D), + eps inside."""
+    b, n, heads, d = x.shape
+    out = torch.empty((b, n), device=x.device, dtype=torch.float32)
+    block_n = 32
+    _rstd_kernel[(b, triton.cdiv(n, block_n))](x, out, x.stride(0), x.stride(1), x.stride(2), n, heads, eps, d,
+                                              BLOCK_N=block_n, BLOCK_D=_pow2(d), num_warps=4)
+    return out
 
 
 @contextlib.contextmanager
@@ -619,11 +691,12 @@ def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
 # ----------------------------------------------------------------------------- forward / backward
 
 
-def summary_forward(k, v, rope, g: Geometry, *, elu: bool, normalize: bool):
-    """The summaries (S, z) of the call's keys. A slice short of the grid keeps S in fp32: its partial sums are
-    summed over ranks before they are rounded to `state_dtype`."""
+def summary_forward(k, v, rope, g: Geometry, *, elu: bool, normalize: bool, k_norm=None):
+    """The summaries (S, z) of the call's keys (RMSNormed across heads on the way with `k_norm`: (rstd, weight)).
+    A slice short of the grid keeps S in fp32: its partial sums are summed over ranks before they are rounded to
+    `state_dtype`."""
     return block_summaries(k, v, rope, g, elu=elu, with_z=normalize,  # unnormalized: z stays zeros, unmixed
-                           dtype=torch.float32 if g.partial else None)
+                           dtype=torch.float32 if g.partial else None, x_norm=k_norm)
 
 
 def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
@@ -632,10 +705,12 @@ def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: b
     return dk, dv
 
 
-def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
-    """The output of the call's queries from the complete summaries (S in `state_dtype`)."""
+def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, q_norm=None,
+                   out_norm=None):
+    """The output of the call's queries from the complete summaries (S in `state_dtype`); `block_output` says what
+    q_norm and out_norm apply."""
     return block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype) if normalize else z, rope, g,
-                        elu=elu, normalize=normalize, eps=eps, out_dtype=q.dtype)
+                        elu=elu, normalize=normalize, eps=eps, out_dtype=q.dtype, q_norm=q_norm, out_norm=out_norm)
 
 
 def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):

@@ -41,23 +41,32 @@ def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rope(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]):
-    return None if cos is None else (cos, sin)
+def _pair(a: Optional[torch.Tensor], b):
+    """(a, b), or None for an absent a: RoPE tables, or an output norm's (gain, eps)."""
+    return None if a is None else (a, b)
+
+
+def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float):
+    """(per-token rstd, weight) of an RMSNorm across heads that the kernels apply to x as they load it, or None."""
+    return None if weight is None else (mhla.token_rstd(x, eps), weight.contiguous())
 
 
 @torch.library.custom_op("mhla_diffusion::mhla_summaries", mutates_args=())
 def mhla_summaries(
     k: torch.Tensor, v: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor], qk_eps: float,
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, z) of the call's keys: S in `mhla.state_dtype`, or fp32 for a slice short of the grid (partial sums)."""
+    """(S, z) of the call's keys: S in `mhla.state_dtype`, or fp32 for a slice short of the grid (partial sums).
+    k_weight, qk_eps: k RMSNormed across heads on the way (one pass over k for its per-token rstd); forward only."""
     g, kw = _decode(k, v, geometry, normalize, eps, feature)
     k, v = (_inner_contiguous(t) for t in (k, v))
-    return mhla.summary_forward(k, v, _rope(cos, sin), g, elu=kw["elu"], normalize=normalize)
+    return mhla.summary_forward(k, v, _pair(cos, sin), g, elu=kw["elu"], normalize=normalize,
+                                k_norm=_rms_norm(k, k_weight, qk_eps))
 
 
 @mhla_summaries.register_fake
-def _(k, v, cos, sin, geometry, *options):
+def _(k, v, cos, sin, k_weight, qk_eps, geometry, *options):
     b, n, heads, d = k.shape
     m, partial = math.prod(geometry[3:6]), n < math.prod(geometry[:3])
     return (k.new_empty((m, b * heads, d, v.shape[-1]), dtype=torch.float32 if partial else mhla.state_dtype(k.dtype)),
@@ -72,7 +81,7 @@ def mhla_summaries_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     g, kw = _decode(k, v, geometry, normalize, eps, feature)
     k, v = (_inner_contiguous(t) for t in (k, v))
-    return mhla.summary_backward(ds, dz, k, v, _rope(cos, sin), g, **kw)
+    return mhla.summary_backward(ds, dz, k, v, _pair(cos, sin), g, **kw)
 
 
 @mhla_summaries_bwd.register_fake
@@ -84,11 +93,16 @@ def _(ds, dz, k, v, *options):
 def mhla_output(
     q: torch.Tensor, mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    q_weight: Optional[torch.Tensor], qk_eps: float, out_gain: Optional[torch.Tensor], out_eps: float,
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> torch.Tensor:
-    """o of the call's queries from the complete summaries (S in `mhla.state_dtype`)."""
+    """o of the call's queries from the complete summaries (S in `mhla.state_dtype`). q_weight, qk_eps: q RMSNormed
+    across heads on the way; out_gain, out_eps: each head's o RMSNormed and scaled (`mhla.fuses_output_norm`
+    calls only); forward only."""
     g, kw = _decode(q, s, geometry, normalize, eps, feature)
-    return mhla.output_forward(_inner_contiguous(q), mix, s, z, _rope(cos, sin), g, **kw)
+    q = _inner_contiguous(q)
+    return mhla.output_forward(q, mix, s, z, _pair(cos, sin), g, **kw, q_norm=_rms_norm(q, q_weight, qk_eps),
+                               out_norm=_pair(None if out_gain is None else out_gain.contiguous(), out_eps))
 
 
 @mhla_output.register_fake
@@ -104,7 +118,7 @@ def mhla_output_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g, kw = _decode(q, s, geometry, normalize, eps, feature)
     do, q = (_inner_contiguous(t) for t in (do.to(q.dtype), q))
-    return mhla.output_backward(do, q, mix, s, z, _rope(cos, sin), g, **kw)
+    return mhla.output_backward(do, q, mix, s, z, _pair(cos, sin), g, **kw)
 
 
 @mhla_output_bwd.register_fake
@@ -112,8 +126,15 @@ def _(do, q, mix, s, z, *options):
     return q.new_empty(q.shape), mix.new_empty(mix.shape), s.new_empty(s.shape), z.new_empty(z.shape)
 
 
+def _forward_only(*norm_tensors) -> None:
+    if any(t is not None for t in norm_tensors):
+        raise RuntimeError("the Triton ops apply RMSNorms on the way in inference only; with gradients, apply them "
+                           "before and after the op (ops.norms.Norms.inputs / output)")
+
+
 def _save_summaries_inputs(ctx, inputs, output):
-    k, v, cos, sin, *options = inputs
+    k, v, cos, sin, k_weight, _, *options = inputs
+    _forward_only(k_weight)
     ctx.save_for_backward(k, v, cos, sin)
     ctx.options = options
 
@@ -121,11 +142,12 @@ def _save_summaries_inputs(ctx, inputs, output):
 def _summaries_backward(ctx, ds, dz):
     k, v, cos, sin = ctx.saved_tensors
     dk, dv = mhla_summaries_bwd(ds, dz, k, v, cos, sin, *ctx.options)
-    return dk, dv, None, None, *(None for _ in ctx.options)
+    return dk, dv, None, None, None, None, *(None for _ in ctx.options)
 
 
 def _save_output_inputs(ctx, inputs, output):
-    q, mix, s, z, cos, sin, *options = inputs
+    q, mix, s, z, cos, sin, q_weight, _, out_gain, _, *options = inputs
+    _forward_only(q_weight, out_gain)
     ctx.save_for_backward(q, mix, s, z, cos, sin)
     ctx.options = options
 
@@ -133,25 +155,32 @@ def _save_output_inputs(ctx, inputs, output):
 def _output_backward(ctx, do):
     q, mix, s, z, cos, sin = ctx.saved_tensors
     dq, dmix, ds, dz = mhla_output_bwd(do, q, mix, s, z, cos, sin, *ctx.options)
-    return dq, dmix, ds, dz, None, None, *(None for _ in ctx.options)
+    return dq, dmix, ds, dz, None, None, None, None, None, None, *(None for _ in ctx.options)
 
 
 mhla_summaries.register_autograd(_summaries_backward, setup_context=_save_summaries_inputs)
 mhla_output.register_autograd(_output_backward, setup_context=_save_output_inputs)
 
 
-def mixed_output(q, mix, s, z, cos, sin, args):
+def mixed_output(q, mix, s, z, cos, sin, args, q_norm=(None, 0.0), out_norm=(None, 0.0)):
     """`mhla_output` from complete summaries of any float type (a slice's are fp32), rounded to `mhla.state_dtype`."""
-    return mhla_output(q, mix, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *args)
+    return mhla_output(q, mix, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *q_norm, *out_norm, *args)
 
 
-def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None):
+def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None, norms=None):
     """The linear path on flattened `op_args`: summaries, `reduce` (for a context-parallel slice: their sum over
-    the ranks, differentiable), then mixing and output."""
-    s, z = mhla_summaries(k, v, cos, sin, *args)
+    the ranks, differentiable), then mixing and output. `norms` (`ops.norms.Norms`, inference only): q and k
+    RMSNormed across heads on the way (one pass over each for its per-token rstd), the output norm in the output
+    kernel where it holds a head's whole Dv, after it otherwise."""
+    q_norm = k_norm = (None, 0.0)
+    if norms is not None:
+        q_norm, k_norm = (norms.q_weight, norms.qk_eps), (norms.k_weight, norms.qk_eps)
+    s, z = mhla_summaries(k, v, cos, sin, *k_norm, *args)
     if reduce is not None:
         s, z = reduce(s, z)
-    return mixed_output(q, mix, s, z, cos, sin, args)
+    fuse_out = norms is not None and norms.out_gain is not None and mhla.fuses_output_norm(q.shape[-1], v.shape[-1])
+    out = mixed_output(q, mix, s, z, cos, sin, args, q_norm, (norms.out_gain, norms.out_eps) if fuse_out else (None, 0.0))
+    return out if norms is None or fuse_out else norms.output(out)
 
 
 def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,14 +198,15 @@ def kernel_tables(rope, dtype: torch.dtype):
     return (None, None) if rope is None else (_table(rope[0], dtype), _table(rope[1], dtype))
 
 
-def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None):
+def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None, norms=None):
     """The fused path behind `mhla_attention(..., backend="triton")`: a `BlockGeometry` and `MHLAOptions` the
     dispatch has checked against `capabilities`.
 
     q, k, v (and rope) may hold raster tokens [start, start + N) only, a context-parallel rank's slice; `reduce`
     then takes the slice's partial summaries (S, z) to complete ones (`ops.context_parallel`). Without it a
     slice's output is wrong, but its kernels are those of a rank: `bench op --shard` times them so.
+    `norms`: RMSNorms to apply on the way (`mhla_linear`; inference only, the dispatch decides).
     """
     cos, sin = kernel_tables(rope, q.dtype)
     args = op_args(geometry, options, start)
-    return mhla_linear(q, k, v, mix, cos, sin, args, reduce)
+    return mhla_linear(q, k, v, mix, cos, sin, args, reduce, norms)

@@ -32,7 +32,9 @@ from . import mhla
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars, mixing matrix). Summaries S, S~
 # (state_dtype) and, since op._table, RoPE tables are bf16 for bf16 inputs.
-FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr"}
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr", "xs_ptr", "qs_ptr"}
+# Flags a row leaves off: the RMSNorms applied on the way (`ops.norms`) are off unless a row turns them on.
+OFF = dict(NORM_X=False, NORM_Q=False, OUT_NORM=False)
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
 DIVISIBLE = re.compile(r"^s[a-z]*[bnh]$")
 INSTRUCTIONS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
@@ -49,6 +51,12 @@ KERNELS = {
     "summary bwd dS~": (mhla._summary_kernel, "summary", dict(
         D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=True, WEIGHT_Z=True, WITH_Z=True, ATOMIC=False)),
     "output": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True)),
+    # Wan inference: RoPE, unnormalized, the q/k RMSNorms across heads and the output norm applied on the way
+    "summary fwd rope qk-norm": (mhla._summary_kernel, "summary", dict(
+        D_TILES=1, DV_TILES=1, ELU=False, ROPE=True, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=False, ATOMIC=False,
+        NORM_X=True)),
+    "output rope norms": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=True, NORMALIZE=False,
+                                                             NORM_Q=True, OUT_NORM=True)),
     "grad dq": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False)),
     "grad dk dv": (mhla._grad_kernel, "grad", dict(
@@ -91,7 +99,7 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict):
         if arg.endswith("_ptr"):
             signature[arg] = "*fp32" if arg in FP32_POINTERS else "*bf16"
         else:
-            signature[arg] = "fp32" if arg == "eps" else "i32"
+            signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
         if arg.endswith("_ptr") or DIVISIBLE.match(arg):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, fixed, attrs), target=HOPPER, options=options)
@@ -119,8 +127,9 @@ def report() -> dict:
     rows = {}
     for name, (kernel, entry, constexprs, *block_tokens) in KERNELS.items():
         cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],
-                           constexprs["ROPE"])
-        compiled = compile_for_hopper(kernel, {**TILE, **constexprs, **BF16, "BLOCK_N": cfg["block_n"]},
+                           constexprs["ROPE"], norms=constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False))
+        off = {k: v for k, v in OFF.items() if k in kernel.arg_names}
+        compiled = compile_for_hopper(kernel, {**TILE, **off, **constexprs, **BF16, "BLOCK_N": cfg["block_n"]},
                                       mhla._launch(cfg))
         rows[name] = usage(compiled)
     return rows

@@ -20,6 +20,7 @@ from .blocks import block_geometry
 from .config import MHLAConfig
 from .mixing import MixingMatrices
 from .ops import MHLAOptions, mhla_op
+from .ops.norms import layer_norms
 from .ops.context_parallel import context_group
 
 # silu(b) = 1 at b = 1 + W(1/e): a zero-weight gate with this bias starts fully open.
@@ -73,14 +74,16 @@ class MHLAProcessorBase(nn.Module):
             raise RuntimeError(f"self-attention got {num_tokens} tokens but the transformer's token grid {grid} holds {math.prod(grid)}")
         return grid
 
-    def attend(self, q, k, v, layer_input, rope=None) -> torch.Tensor:
-        """q, k, v: (B, N, heads, D) after the layer's projections and norms -> (B, N, heads*D)."""
+    def attend(self, q, k, v, layer_input, rope=None, qk_norm=None) -> torch.Tensor:
+        """q, k, v: (B, N, heads, D) after the layer's projections -> (B, N, heads*D). qk_norm: the layer's
+        `torch.nn.RMSNorm` modules across heads for q and k, still to apply (the kernels can, on the way); any other
+        q/k norm the processor applies before. The output norm goes into the op too (`ops.norms`)."""
         geometry = block_geometry(self.current_grid(q.shape[1]), self.config.blocks)
         rope = rope if self.config.rope == "numerator" else None
         group = None if self._parallel_config is None else context_group(self._parallel_config)
-        out = mhla_op(q, k, v, self.mixing(geometry.blocks), geometry, self.options, rope=rope, group=group)
-        if self.norm_gain is not None:  # fused RMSNorm (fp32 inside): one pass, not six, over a large output
-            out = F.rms_norm(out, (out.shape[-1],), eps=1e-6) * self.norm_gain.to(out.dtype)
+        q, k, norms = layer_norms(q, k, qk_norm, self.norm_gain)
+        out = mhla_op(q, k, v, self.mixing(geometry.blocks), geometry, self.options, rope=rope, group=group,
+                      norms=norms)
         out = out.flatten(2)
         if self.gate is not None:
             out = out * F.silu(self.gate(layer_input)).to(out.dtype)

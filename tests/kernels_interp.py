@@ -9,17 +9,20 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
+import types  # noqa: E402
 
 import torch  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
 from mhla_diffusion.kernels import mhla  # noqa: E402
 from mhla_diffusion.kernels.op import mhla_output, mhla_summaries  # noqa: E402
-from mhla_diffusion.ops import mhla_attention, naive  # noqa: E402
+from mhla_diffusion.ops import MHLAOptions, mhla_attention, mhla_op, naive  # noqa: E402
+from mhla_diffusion.ops.norms import Norms  # noqa: E402
 
 # One program per block keeps the interpreter quick; SPLIT cases force several programs per
 # block (atomic summaries, split Gram sums) with small token tiles.
@@ -78,6 +81,84 @@ def op_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normali
     return errors
 
 
+@contextlib.contextmanager
+def counting(owner, name):
+    """Counts the calls of owner.name while it is patched."""
+    original = getattr(owner, name)
+    counter = types.SimpleNamespace(calls=0)
+
+    def counted(*args, **kwargs):
+        counter.calls += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    try:
+        yield counter
+    finally:
+        setattr(owner, name, original)
+
+
+def norms_case(d, dv, *, rope=True, normalize=False, launch=FEW):
+    """The op with a layer's RMSNorms (q, k across heads, the per-head output norm) given to it, on the Triton
+    backend: applied by the kernels on the way without autograd, in PyTorch around them with it; against the
+    reference with the norms applied in fp64 around it."""
+    configure(launch)
+    gen = torch.Generator().manual_seed(5)
+    grid, blocks, heads, batch = (2, 5, 7), (1, 2, 3), 3, 2
+    n, m = math.prod(grid), math.prod(blocks)
+    q, k = (torch.randn(batch, n, heads, d, generator=gen) * 3 for _ in range(2))  # the norms take the scale out
+    v = torch.randn(batch, n, heads, dv, generator=gen)
+    mix = locality_mix(blocks).float() + 0.1 * torch.rand(m, m, generator=gen)
+    weights = [torch.rand(heads * d, generator=gen) + 0.5 for _ in range(2)]
+    gain = torch.rand(heads, dv, generator=gen) + 0.5
+    tables = rope_tables(n, d, gen) if rope else None
+    geometry, options = block_geometry(grid, blocks), MHLAOptions(normalize=normalize)
+
+    def run(dtype, backend, grad):
+        t = lambda x: x.to(dtype).requires_grad_(grad)  # noqa: E731
+        leaves = [t(x) for x in (q, k, v, mix, *weights, gain)]
+        norms = Norms(*leaves[4:6], 1e-6, leaves[6])
+        table = None if tables is None else tuple(x.to(dtype) for x in tables)
+        out = mhla_op(*leaves[:4], geometry, options, rope=table, backend=backend, norms=norms)
+        return out, leaves
+
+    ref, ref_leaves = run(torch.float64, "torch", True)
+    errors = {}
+    with torch.no_grad(), counting(Norms, "inputs") as inputs, counting(Norms, "output") as outputs:
+        errors["o no-grad (fused norms)"] = rel(run(torch.float32, "triton", False)[0], ref)
+    # without autograd, no norm runs as a PyTorch pass, but an output norm the output kernel cannot hold
+    errors["norm passes outside the kernels"] = float(inputs.calls + outputs.calls != (not mhla.fuses_output_norm(d, dv)))
+    out, leaves = run(torch.float32, "triton", True)
+    errors["o"] = rel(out, ref)
+    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    out.backward(do.float())
+    ref.backward(do)
+    for name, a, b in zip(("dq", "dk", "dv", "dmix", "dq_weight", "dk_weight", "dgain"), leaves, ref_leaves):
+        errors[name] = rel(a.grad, b.grad)
+    return errors
+
+
+def wan_model_case():
+    """A converted Wan transformer (head dim 16, so the kernels take it) under `torch.no_grad`, its q/k and output
+    norms applied by the kernels, against the same model in fp64 (the reference path)."""
+    configure(FEW)
+    from mhla_diffusion import convert
+    from mhla_diffusion.families import family_of
+    from mhla_diffusion.zoo import build_transformer
+
+    model = build_transformer("wan", attention_head_dim=16)
+    convert(model)
+    for proc in model.attn_processors.values():  # a trained-looking output gain
+        if getattr(proc, "norm_gain", None) is not None:
+            proc.norm_gain.data.uniform_(0.5, 1.5)
+    inputs = family_of(model).example_inputs(model, (16, 2, 8, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), counting(mhla, "token_rstd") as rstd:
+        out = model(**inputs, return_dict=False)[0]
+        model.double()
+        ref = model(**{k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}, return_dict=False)[0]
+    return {"model output": rel(out, ref), "q/k norms outside the kernels": float(rstd.calls != 2 * 2)}  # 2 layers
+
+
 def stage_case(launch):
     """Each launcher against its plain PyTorch meaning, `ops.naive.reference_*` (ragged blocks, RoPE, elu)."""
     configure(launch)
@@ -131,6 +212,16 @@ def compile_case():
     ref_grads = torch.autograd.grad(ref_loss, (q, k, v, mix))
     errors = {"loss": rel(loss, ref_loss)}
     errors.update({f"grad{i}": rel(a, b) for i, (a, b) in enumerate(zip(grads, ref_grads))})
+
+    def with_norms(q, k, v, mix, wq, wk, gain):  # inference, the norms applied by the kernels
+        norms = Norms(wq, wk, 1e-6, gain)
+        return mhla_op(q, k, v, mix, block_geometry(grid, blocks), MHLAOptions(), backend="triton", norms=norms)
+
+    leaves = (q, k, v, mix, *torch.rand(2, 32, generator=gen).unbind(0), torch.rand(2, 16, generator=gen))
+    with torch.no_grad():
+        torch._dynamo.reset()
+        errors["no-grad with norms"] = rel(torch.compile(with_norms, fullgraph=True, backend="aot_eager")(*leaves),
+                                           with_norms(*leaves))
     return errors
 
 
@@ -145,10 +236,18 @@ def opcheck_case():
             q, k, v = (torch.randn(1, end - start, 2, 8, generator=gen).to(dtype).requires_grad_() for _ in range(3))
             mix = torch.rand(4, 4, generator=gen, requires_grad=True)
             options = ([1, 4, 6, 1, 2, 2, start], True, 1e-6, "relu")
-            torch.library.opcheck(mhla_summaries, (k, v, None, None, *options), test_utils=checks)
-            s, z = (t.detach().requires_grad_() for t in mhla_summaries(k, v, None, None, *options))
+            torch.library.opcheck(mhla_summaries, (k, v, None, None, None, 0.0, *options), test_utils=checks)
+            s, z = (t.detach().requires_grad_() for t in mhla_summaries(k, v, None, None, None, 0.0, *options))
             s = s.to(mhla.state_dtype(dtype)).detach().requires_grad_()
-            torch.library.opcheck(mhla_output, (q, mix, s, z, None, None, *options), test_utils=checks)
+            torch.library.opcheck(mhla_output, (q, mix, s, z, None, None, None, 0.0, None, 0.0, *options), test_utils=checks)
+            # the RMSNorms applied on the way: inference only, so without the autograd check
+            wq, wk, gain = (torch.rand(16, generator=gen).to(dtype) for _ in range(3))
+            k, q = k.detach(), q.detach()
+            torch.library.opcheck(mhla_summaries, (k, v.detach(), None, None, wk, 1e-6, *options),
+                                  test_utils=checks[::2])
+            s, z = mhla_summaries(k, v.detach(), None, None, wk, 1e-6, *options)
+            norm_args = (q, mix.detach(), s.to(mhla.state_dtype(dtype)), z, None, None, wq, 1e-6, gain.view(2, 8), 1e-6)
+            torch.library.opcheck(mhla_output, (*norm_args, *options), test_utils=checks[::2])
     return {"ok": 0.0}
 
 
@@ -166,6 +265,11 @@ CASES = {
     # two 256-token blocks of N(0, 100^2) inputs: block sums reach ~1e5, beyond fp16 range (summaries stay fp32)
     "fp16 block sums beyond fp16 range": lambda: op_case((1, 16, 32), (1, 1, 2), 1, 16, 16, batch=1,
                                                          dtype=torch.float16, scale=100.0),
+    "norms on the way, rope unnormalized (as Wan)": lambda: norms_case(16, 16),
+    "norms on the way, normalized Dv!=D split programs": lambda: norms_case(24, 40, rope=False, normalize=True,
+                                                                           launch=SPLIT),
+    "norms on the way, Dv tiled (output norm after)": lambda: norms_case(136, 72, rope=False),
+    "wan model, norms on the way": wan_model_case,
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),
     "torch.compile fullgraph": compile_case,

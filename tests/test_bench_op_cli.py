@@ -46,7 +46,9 @@ def test_missing_impls_give_nan_ratios_and_dashes():
 
 
 def test_wan_shapes_time_mhla_as_used_and_the_cli_needs_a_gpu(capsys):
-    assert {s.name for s in bench.SHAPES if s.as_used} == {"Wan2.1-1.3B 480p", "Wan2.1-14B 720p"}
+    assert {s.name for s in bench.SHAPES if s.as_used} == {"Wan2.1-1.3B 480p", "Wan2.1-14B 720p",
+                                                           "Wan2.1-1.3B 480p, model's blocks",
+                                                           "Wan2.1-14B 720p, model's blocks"}
     assert main(["bench", "op", "--impls", "mhla", "linear"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
@@ -88,5 +90,5 @@ def test_check_prints_each_case_as_it_finishes(monkeypatch, capsys):
     assert lines[0] == bench.CHECK_HEADER[0] and len(lines) == 3
     first = check.CASES[0]
     assert lines[1] == (f"| {first[0]} | bfloat16 | {math.prod(first[4]):,} | 4 | {first[1]} x {first[2]}/{first[3]} | "
-                        + " | ".join(["1.0e-03"] * 6) + " | yes |")
+                        + " | ".join(["1.0e-03"] * 6) + " | - | yes |")  # a case without norms: no norms column
     assert lines[2].startswith(f"| {first[0]} | float32 |")

@@ -32,6 +32,10 @@ CASES = [
     "rope normalized D=136 Dv=72",
     "fp16 rope",
     "fp16 block sums beyond fp16 range",
+    "norms on the way, rope unnormalized (as Wan)",
+    "norms on the way, normalized Dv!=D split programs",
+    "norms on the way, Dv tiled (output norm after)",
+    "wan model, norms on the way",
     "stages",
     "stages split programs",
     "torch.compile fullgraph",
@@ -145,7 +149,7 @@ def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_
     out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed")
     torch.testing.assert_close(out, dense_mhla(q, k, v, mix, (1, 3, 4), (1, 2, 2), feature="cubed"))
     with pytest.raises(ValueError, match="not 'cubed'"):
-        op.mhla_summaries(k.float(), v.float(), None, None, [1, 3, 4, 1, 2, 2, 0], True, 1e-6, "cubed")
+        op.mhla_summaries(k.float(), v.float(), None, None, None, 0.0, [1, 3, 4, 1, 2, 2, 0], True, 1e-6, "cubed")
 
 
 def test_unknown_backend_is_rejected():

@@ -109,6 +109,23 @@ def test_strict_state_dict_ema_deepcopy_and_pickle(family):
     torch.testing.assert_close(run(loaded, 12, batch=1, frames=5), expected, rtol=0, atol=0)
 
 
+def test_hooks_on_wans_qk_norms_still_run_and_change_nothing():
+    """MHLA hands Wan's q/k RMSNorms to the op, which applies them on the way; a norm module that carries a hook
+    (an offloading hook moves its weight in; a user's hook reads its output) is called as the layer calls it."""
+    model = zoo.build_transformer("wan")
+    md.convert(model)
+    model.eval()
+    with torch.no_grad():
+        plain = run(model, 8, frames=5)
+        seen = []
+        norm_q = model.blocks[0].attn1.norm_q
+        handle = norm_q.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        hooked = run(model, 8, frames=5)
+        handle.remove()
+    assert seen and seen[0][-1] == norm_q.weight.numel()
+    torch.testing.assert_close(hooked, plain, rtol=0, atol=0)
+
+
 def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(monkeypatch):
     """One gloo process: the DDP-wrapped model trains its mixing logits (DDP errors on parameters it
     did not know of when wrapped, and those would never be reduced)."""

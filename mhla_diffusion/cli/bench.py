@@ -66,6 +66,10 @@ SHAPES = [
     Shape("DiT-S/2 4096px", 6, 64, (1, 256, 256)),
     Shape("Wan2.1-1.3B 480p", 12, 128, (21, 30, 52), (3, 4, 5), as_used=True),
     Shape("Wan2.1-14B 720p", 40, 128, (21, 45, 80), (3, 5, 8), as_used=True),
+    # the blocks a converted Wan runs at its released size ("auto", the default: M^2 <= N), three to five times
+    # the blocks above: larger summaries, a larger mixing GEMM, shorter blocks
+    Shape("Wan2.1-1.3B 480p, model's blocks", 12, 128, (21, 30, 52), as_used=True),
+    Shape("Wan2.1-14B 720p, model's blocks", 40, 128, (21, 45, 80), as_used=True),
 ]
 
 # Implementations timed, in table order: (label, whether its backward can be replayed from a CUDA graph here).
@@ -76,6 +80,10 @@ IMPLS = {
     "linear": ("global linear", True),
     "mhla": ("MHLA", True),
     "mhla_used": ("MHLA as used", True),
+    # as used, with Wan's q/k RMSNorms across heads and MHLA's output norm: in PyTorch passes around the op, and
+    # applied by the kernels on the way (forward without autograd only; its backward runs the passes)
+    "mhla_norm_passes": ("as used + norm passes", True),
+    "mhla_norms": ("as used, norms on the way", True),
 }
 
 
@@ -112,7 +120,37 @@ def implementations(shape: Shape, blocks, rope) -> dict:
            "mhla": mhla(None, True)}
     if shape.as_used:
         fns["mhla_used"] = mhla(rope, False)
+        fns.update(_with_norms(shape, blocks, rope))
     return fns
+
+
+def _with_norms(shape: Shape, blocks, rope) -> dict:
+    """MHLA as used with a Wan layer's RMSNorms (random weights near 1): as PyTorch passes around the op, and
+    handed to the op (`ops.norms`), which applies them on the way where it can."""
+    from ..blocks import block_geometry
+    from ..ops import MHLAOptions, mhla_op
+    from ..ops.norms import Norms
+
+    geometry, options = block_geometry(shape.grid, blocks), MHLAOptions(normalize=False)
+    weights = [1 + 0.1 * torch.randn(shape.heads * shape.d, device="cuda") for _ in range(2)]
+    weights.append(1 + 0.1 * torch.randn(shape.heads, shape.d, device="cuda"))
+    by_dtype = {}
+
+    def norms_for(q):  # in the model's dtype, as its modules hold them: made once, outside the timed calls
+        if q.dtype not in by_dtype:
+            wq, wk, gain = (w.to(q.dtype) for w in weights)
+            by_dtype[q.dtype] = Norms(wq, wk, 1e-6, gain)
+        return by_dtype[q.dtype]
+
+    def passes(q, k, v, mix):
+        norms = norms_for(q)
+        q, k = norms.inputs(q, k)
+        return norms.output(mhla_op(q, k, v, mix, geometry, options, rope=rope, backend="triton"))
+
+    def on_the_way(q, k, v, mix):
+        return mhla_op(q, k, v, mix, geometry, options, rope=rope, backend="triton", norms=norms_for(q))
+
+    return {"mhla_norm_passes": passes, "mhla_norms": on_the_way}
 
 
 def _copy_bandwidth(do_bench) -> float:
@@ -239,7 +277,7 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
             torch.cuda.empty_cache()
     row.update(ratios(row))
     if profile:
-        for name in ("mhla", "mhla_used"):
+        for name in ("mhla", "mhla_used", "mhla_norms"):
             if name not in fns or (impls and name not in impls):
                 continue
             for backward, what in ((False, "forward"), (True, "forward+backward")):
@@ -365,13 +403,14 @@ def _progress(row: dict) -> str:
     return f"[{row['shape']}{where}] " + ", ".join(cells)
 
 
-CHECK_HEADER = ["| case | dtype | N | M | heads x D/Dv | o | dq | dk | dv | dmix | o no-grad | ok |",
-                "|---" * 12 + "|"]
+CHECK_COLUMNS = ("o", "dq", "dk", "dv", "dmix", "o no-grad", "o no-grad, norms on the way")
+CHECK_HEADER = ["| case | dtype | N | M | heads x D/Dv | " + " | ".join(CHECK_COLUMNS) + " | ok |",
+                "|---" * (6 + len(CHECK_COLUMNS)) + "|"]
 
 
 def _check_row(r: dict) -> str:
     e = r["errors"]
-    errs = " | ".join(f"{e[x]:.1e}" for x in ("o", "dq", "dk", "dv", "dmix", "o no-grad"))
+    errs = " | ".join(f"{e[x]:.1e}" if x in e else "-" for x in CHECK_COLUMNS)
     return (f"| {r['case']} | {r['dtype']} | {r['N']:,} | {r['M']} | {r['heads']} x {r['D']}/{r['Dv']} "
             f"| {errs} | {'yes' if r['ok'] else 'NO'} |")
 

@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..families import latent_grid, real_model, real_model_names
+from ..ops.norms import apply_qk_norm
 from .profiling import kernel_profile
 
 def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
@@ -35,8 +36,10 @@ def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
 REMOVED = "no-self-attn"
 
 
-def _pass_values(q, k, v, layer_input, rope=None):
-    """The attention of a self-attention-removed layer: v as it is, (B, N, heads, Dv) -> (B, N, heads*Dv)."""
+def _pass_values(q, k, v, layer_input, rope=None, qk_norm=None):
+    """The attention of a self-attention-removed layer: v as it is, (B, N, heads, Dv) -> (B, N, heads*Dv); the
+    layer's q/k norms across heads (Wan's), which MHLA's kernels apply on the way, run as passes of their own."""
+    apply_qk_norm(q, k, qk_norm)
     return v.flatten(2)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from ..blocks import resolve_blocks
 from ..conversion import mhla_modules
+from ..ops.norms import apply_qk_norm
 from ..processors import MHLAProcessorBase
 
 
@@ -38,18 +39,19 @@ def record_attention(transformer, call: int = -1):
     def patch(path, proc):
         attend = proc.attend
 
-        def recording(q, k, v, layer_input, rope=None):
+        def recording(q, k, v, layer_input, rope=None, qk_norm=None):
             if call < 0 or calls[path] == call:
+                qn, kn = apply_qk_norm(q, k, qk_norm)  # as attention sees them
                 grid = proc.current_grid(q.shape[1])
                 blocks = resolve_blocks(grid, proc.config.blocks)
                 cpu = lambda t: t[0].detach().float().cpu()  # noqa: E731
                 captures[path] = LayerCapture(
-                    cpu(q), cpu(k), grid, blocks, proc.mixing(blocks).detach().float().cpu(),
+                    cpu(qn), cpu(kn), grid, blocks, proc.mixing(blocks).detach().float().cpu(),
                     None if rope is None else tuple(cpu(r.expand(q.shape[0], *r.shape[1:])) for r in rope),
                     proc.config.feature,
                 )
             calls[path] += 1
-            return attend(q, k, v, layer_input, rope=rope)
+            return attend(q, k, v, layer_input, rope=rope, qk_norm=qk_norm)
 
         proc.attend = recording
 

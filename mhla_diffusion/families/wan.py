@@ -26,9 +26,8 @@ class MHLAWanAttnProcessor(MHLAProcessorBase):
             q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
         q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
-        out = self.attend(q, k, v, hidden_states, rope=rotary_emb).type_as(q)
+        out = self.attend(q, k, v, hidden_states, rope=rotary_emb, qk_norm=(attn.norm_q, attn.norm_k)).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
 

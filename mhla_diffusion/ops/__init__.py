@@ -4,6 +4,8 @@
 - `options`: `MHLAOptions`, what a layer computes beyond its tensors; `feature_maps`: the maps phi.
 - `naive`: the PyTorch reference operator and the per-stage references of the Triton launchers.
 - `context_parallel`: the operator on one rank's token slice.
+- `norms`: a layer's RMSNorms around the op (Wan's q/k across heads, the output norm), which the kernels apply on
+  the way in inference.
 - `check`: the Triton kernels against the reference at real sizes on a GPU (`bench op --check`).
 The Triton kernels themselves are `mhla_diffusion.kernels` (the repo's top-level kernels/).
 """

@@ -16,8 +16,9 @@ from tqdm.auto import tqdm
 
 from ..blocks import block_geometry, locality_mix, resolve_blocks
 from ..kernels.mhla import state_dtype
-from . import mhla_attention
+from . import mhla_attention, mhla_op
 from .context_parallel import token_range
+from .norms import Norms
 from .options import MHLAOptions
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
@@ -25,7 +26,8 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-3}
 # name, heads, D, Dv, grid, blocks, options
 CASES = [
     ("wan-1.3b-480p", 12, 128, 128, (21, 30, 52), (3, 4, 5), {}),
-    ("wan-1.3b-480p rope unnorm", 12, 128, 128, (21, 30, 52), (3, 4, 5), {"normalize": False, "rope": True}),
+    ("wan-1.3b-480p rope unnorm", 12, 128, 128, (21, 30, 52), (3, 4, 5),
+     {"normalize": False, "rope": True, "norms": True}),  # and as Wan runs it: its q/k and output norms on the way
     ("dit-xl-512 elu", 16, 72, 72, (1, 32, 32), "auto", {"feature": "elu"}),
     ("sana-1.6b-1k", 70, 32, 32, (1, 32, 32), "auto", {}),
     ("sana-like-4k", 20, 112, 112, (1, 128, 128), "auto", {}),
@@ -58,7 +60,8 @@ def as_ranks(q, k, v, mix, grid, blocks, rope, ranks: int, **kwargs):
     def args(start):
         return op.op_args(geometry, options, start)
 
-    parts = [op.mhla_summaries(cut(k, a, b), cut(v, a, b), cut(cos, a, b), cut(sin, a, b), *args(a)) for a, b in slices]
+    parts = [op.mhla_summaries(cut(k, a, b), cut(v, a, b), cut(cos, a, b), cut(sin, a, b), None, 0.0, *args(a))
+             for a, b in slices]
     s, z = (sum(part[i] for part in parts) for i in (0, 1))
     return torch.cat([op.mixed_output(cut(q, a, b), mix, s, z, cut(cos, a, b), cut(sin, a, b), args(a))
                       for a, b in slices], dim=1)
@@ -79,6 +82,26 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(x).all():
         return math.inf
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def _norms_error(leaves, grid, blocks, rope, kwargs) -> float:
+    """The no-grad forward with a layer's RMSNorms (q, k across heads, the output per head; `ops.norms`) applied by
+    the kernels on the way, against the reference with them applied in fp64 around it."""
+    q, k, v, mix = (t.detach() for t in leaves)
+    heads, d, dv = q.shape[2], q.shape[3], v.shape[3]
+    weights = [torch.rand(heads * d, device=q.device) + 0.5, torch.rand(heads * d, device=q.device) + 0.5,
+               torch.rand(heads, dv, device=q.device) + 0.5]
+    geometry, options = block_geometry(grid, blocks), MHLAOptions(**kwargs)
+
+    def run(tensors, table, backend):
+        *qkvm, wq, wk, gain = tensors
+        return mhla_op(*qkvm, geometry, options, rope=table, backend=backend, norms=Norms(wq, wk, 1e-6, gain))
+
+    with torch.no_grad():
+        o = run([q, k, v, mix, *(w.to(q.dtype) for w in weights)], None if rope is None else
+                tuple(t.float() for t in rope), "triton")
+        ref = run([t.double() for t in (q, k, v, mix, *weights)], rope, "torch")
+    return _rel(o, ref)
 
 
 def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") -> dict:
@@ -119,6 +142,8 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     with torch.no_grad():  # inference: the same op without autograd
         o = triton_op(*leaves)
     errors["o no-grad"] = _rel(o, ref.detach())
+    if options.get("norms"):
+        errors["o no-grad, norms on the way"] = _norms_error(leaves, grid, blocks, rope, kwargs)
     worst = max(errors.values())
     return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": n, "M": m, "heads": heads, "D": d,
             "Dv": dv, "errors": errors, "worst": worst, "ok": worst < TOLERANCE[dtype]}

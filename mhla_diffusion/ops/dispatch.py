@@ -19,15 +19,18 @@ from ..blocks import BlockGeometry
 from ..kernels import capabilities as triton_caps
 from .context_parallel import mhla_sharded, mhla_sharded_triton
 from .naive import mhla_blocked
+from .norms import Norms
 from .options import MHLAOptions
 
 
 @dataclass(frozen=True)
 class Backend:
-    """`run(q, k, v, mix, geometry, options, rope, group)`, and the constraints a call must meet for it."""
+    """`run(q, k, v, mix, geometry, options, rope, group)`, and the constraints a call must meet for it;
+    `run_with_norms(..., norms)`, where the backend applies a layer's RMSNorms (`ops.norms`) itself on the way."""
 
     run: Callable
     constraints: tuple = ()
+    run_with_norms: Optional[Callable] = None
 
     def refusal(self, q, k, v, geometry, options) -> Optional[str]:
         """The first failed constraint's reason, or None when the backend takes the call."""
@@ -52,6 +55,12 @@ def _run_triton(q, k, v, mix, geometry, options, rope, group):
     from ..kernels import op
 
     return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope)
+
+
+def _run_triton_with_norms(q, k, v, mix, geometry, options, rope, norms):
+    from ..kernels import op
+
+    return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope, norms=norms)
 
 
 def _triton_device(q, k, v, geometry, options):
@@ -93,7 +102,7 @@ def _triton_block_length(q, k, v, geometry, options):
 # In "auto" order: the fused kernels where they apply, the reference (which takes every call) otherwise.
 BACKENDS = {
     "triton": Backend(_run_triton, (_triton_device, _triton_dtype, _triton_head_dims, _triton_feature,
-                                    _triton_block_length)),
+                                    _triton_block_length), _run_triton_with_norms),
     "torch": Backend(_run_torch),
 }
 
@@ -127,9 +136,26 @@ def choose(backend: str, q, k, v, geometry, options) -> Backend:
     return BACKENDS[backend]
 
 
+def _fuses(chosen: Backend, norms: Norms, q, k, v, mix, group) -> bool:
+    """Whether `chosen` applies `norms` itself: kernels that do, an unsharded call, weights on q's device, and no
+    gradient wanted (the fused norms are forward only)."""
+    tensors = (q, k, v, mix, *norms.tensors)
+    return (chosen.run_with_norms is not None and group is None and all(t.device == q.device for t in norms.tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
 def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, geometry: BlockGeometry,
-            options: MHLAOptions, *, rope=None, backend: str = "auto", group=None) -> torch.Tensor:
-    """`mhla_attention` with the block geometry and options already resolved (processors build both once)."""
+            options: MHLAOptions, *, rope=None, backend: str = "auto", group=None,
+            norms: Optional[Norms] = None) -> torch.Tensor:
+    """`mhla_attention` with the block geometry and options already resolved (processors build both once).
+    norms: RMSNorms of the layer around the op (q, k before it, its output after), applied by the kernels on the
+    way where they can (`_fuses`), in PyTorch before and after otherwise."""
     sharded = group is not None
     check_inputs(q, k, v, mix, geometry, sharded)
-    return choose(backend, q, k, v, geometry, options).run(q, k, v, mix, geometry, options, rope, group)
+    chosen = choose(backend, q, k, v, geometry, options)
+    if norms is not None and _fuses(chosen, norms, q, k, v, mix, group):
+        return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
+    if norms is not None:
+        q, k = norms.inputs(q, k)
+    out = chosen.run(q, k, v, mix, geometry, options, rope, group)
+    return out if norms is None else norms.output(out)
