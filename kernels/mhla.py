@@ -365,7 +365,7 @@ def _rstd_kernel(x_ptr, out_ptr, sxb, sxn, sxh, N, heads, eps, D: tl.constexpr, 
     """out[b, n] = 1 / sqrt(mean of x[b, n]**2 over all heads and features + eps): an RMSNorm across heads, of
     which the token kernels apply the rest (x * out[n] * weight) as they load x (`_features`)."""
     pid_b, pid_n = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # n * sxn: past 2^31 for long fused-qkv videos
     d = tl.arange(0, BLOCK_D)
     mask_n, mask_d = n < N, d < D
     x_ptr = x_ptr + pid_b.to(tl.int64) * sxb

@@ -138,6 +138,32 @@ def test_triton_takes_what_it_supports_under_the_interpreter(monkeypatch):
     assert chosen is dispatch.BACKENDS["triton"]
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_norms_are_fused_only_without_autograd_or_autocast_and_the_backend_fits_what_they_return(autocast, monkeypatch):
+    """Under autocast the norms return fp32 q, k for bf16 v: they run first and the backend is chosen for what they
+    return (the reference, as before the norms moved into the op), not fused on the Triton path chosen for the bf16
+    inputs. Without autocast and autograd the Triton path applies them itself."""
+    from mhla_diffusion.ops.norms import Norms
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ran = []
+
+    def record(name):
+        return lambda q, k, v, *args: ran.append((name, q.dtype)) or v
+
+    triton, torch_backend = dispatch.BACKENDS["triton"], dispatch.BACKENDS["torch"]
+    monkeypatch.setitem(dispatch.BACKENDS, "triton", dispatch.Backend(record("triton"), triton.constraints,
+                                                                      record("triton, norms on the way")))
+    monkeypatch.setitem(dispatch.BACKENDS, "torch", dispatch.Backend(record("torch"), torch_backend.constraints))
+    monkeypatch.setattr(Norms, "inputs", lambda self, q, k: (q.float(), k.float()))  # as autocast's rms_norm does
+    q, k, v = _inputs(d=16, dv=16, dtype=torch.bfloat16)
+    norms = Norms(torch.ones(32), torch.ones(32), 1e-6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        dispatch.mhla_op(q, k, v, locality_mix((1, 2, 2)).float(), block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(),
+                         norms=norms)
+    assert ran == ([("torch", torch.float32)] if autocast else [("triton, norms on the way", torch.bfloat16)])
+
+
 def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_feature):
     """A feature map registered for the reference only is computed as that map under "auto", also where the
     Triton backend is available, never as one of the kernels' maps; the custom op itself refuses it too."""

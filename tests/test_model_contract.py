@@ -109,21 +109,88 @@ def test_strict_state_dict_ema_deepcopy_and_pickle(family):
     torch.testing.assert_close(run(loaded, 12, batch=1, frames=5), expected, rtol=0, atol=0)
 
 
-def test_hooks_on_wans_qk_norms_still_run_and_change_nothing():
+class _CountingHook:
+    """A diffusers `ModelHook` that counts the forwards of the module it is on."""
+
+    def __new__(cls):
+        from diffusers.hooks import ModelHook
+
+        class Counting(ModelHook):
+            calls = 0
+
+            def pre_forward(self, module, *args, **kwargs):
+                self.calls += 1
+                return args, kwargs
+
+        return Counting()
+
+
+def _hook_torch_forward(norm, seen):
+    return norm.register_forward_hook(lambda module, args, out: seen.append("forward"))
+
+
+def _hook_torch_backward(norm, seen):
+    return norm.register_full_backward_hook(lambda module, gin, gout: seen.append("backward"))
+
+
+def _hook_global_forward(norm, seen):
+    from torch.nn.modules.module import register_module_forward_hook
+
+    return register_module_forward_hook(lambda module, args, out: seen.append("forward") if module is norm else None)
+
+
+def _hook_diffusers(norm, seen):
+    from diffusers.hooks import HookRegistry
+
+    hook = _CountingHook()
+    HookRegistry.check_if_exists_or_initialize(norm).register_hook(hook, "count")
+    seen.append(hook)  # its calls are read after the run
+    return None
+
+
+@pytest.mark.parametrize("hook", [_hook_torch_forward, _hook_torch_backward, _hook_global_forward, _hook_diffusers])
+def test_hooks_on_wans_qk_norms_still_run_and_change_nothing(hook):
     """MHLA hands Wan's q/k RMSNorms to the op, which applies them on the way; a norm module that carries a hook
-    (an offloading hook moves its weight in; a user's hook reads its output) is called as the layer calls it."""
+    (torch's, global, diffusers' or accelerate's: offloading moves its weight in; a user's hook reads its output or
+    gradient) is called as the layer calls it, once per forward, with the same output."""
+    model = zoo.build_transformer("wan")
+    md.convert(model)
+    plain = run(model, 8, frames=5)
+    seen = []
+    handle = hook(model.blocks[0].attn1.norm_q, seen)
+    hooked = run(model, 8, frames=5)
+    hooked.square().mean().backward()
+    if handle is not None:
+        handle.remove()
+    calls = seen[0].calls if hook is _hook_diffusers else len(seen)
+    assert calls == 1
+    torch.testing.assert_close(hooked, plain, rtol=0, atol=0)
+
+
+def test_group_offloaded_wan_runs_its_norms_where_their_weights_are():
+    """diffusers' leaf-level group offloading moves a norm's weight onto the device in the norm's own forward: the
+    converted model under it computes what it computes without it."""
     model = zoo.build_transformer("wan")
     md.convert(model)
     model.eval()
     with torch.no_grad():
         plain = run(model, 8, frames=5)
-        seen = []
-        norm_q = model.blocks[0].attn1.norm_q
-        handle = norm_q.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-        hooked = run(model, 8, frames=5)
-        handle.remove()
-    assert seen and seen[0][-1] == norm_q.weight.numel()
-    torch.testing.assert_close(hooked, plain, rtol=0, atol=0)
+        cpu = torch.device("cpu")
+        model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+        offloaded = run(model, 8, frames=5)
+    torch.testing.assert_close(offloaded, plain, rtol=0, atol=0)
+
+
+def test_qk_norms_without_an_eps_run_as_their_modules():
+    """An RMSNorm built with eps=None takes its eps from the compute type; the op's norms are given eps as a number,
+    so such a layer runs its norm modules (same result as the module, in the model's dtype)."""
+    from mhla_diffusion.ops.norms import layer_norms
+
+    norm_q, norm_k = (torch.nn.RMSNorm(32, eps=None).to(torch.bfloat16) for _ in range(2))
+    q, k = (torch.randn(1, 6, 2, 16, dtype=torch.bfloat16) * 1e-3 for _ in range(2))
+    qn, kn, norms = layer_norms(q, k, (norm_q, norm_k), None)
+    assert norms is None
+    torch.testing.assert_close(qn, norm_q(q.flatten(2)).view_as(q), rtol=0, atol=0)
 
 
 def test_accelerate_prepare_with_ddp_sees_every_parameter_from_the_start(monkeypatch):

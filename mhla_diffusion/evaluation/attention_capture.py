@@ -10,7 +10,7 @@ import torch
 
 from ..blocks import resolve_blocks
 from ..conversion import mhla_modules
-from ..ops.norms import apply_qk_norm
+from ..ops.norms import layer_norms
 from ..processors import MHLAProcessorBase
 
 
@@ -41,7 +41,10 @@ def record_attention(transformer, call: int = -1):
 
         def recording(q, k, v, layer_input, rope=None, qk_norm=None):
             if call < 0 or calls[path] == call:
-                qn, kn = apply_qk_norm(q, k, qk_norm)  # as attention sees them
+                # q, k as attention sees them; norm modules that must run do so here, once, not again in attend
+                q, k, norms = layer_norms(q, k, qk_norm, None)
+                qn, kn = (q, k) if norms is None else norms.inputs(q, k)
+                qk_norm = None if norms is None else qk_norm
                 grid = proc.current_grid(q.shape[1])
                 blocks = resolve_blocks(grid, proc.config.blocks)
                 cpu = lambda t: t[0].detach().float().cpu()  # noqa: E731

@@ -136,11 +136,13 @@ def choose(backend: str, q, k, v, geometry, options) -> Backend:
     return BACKENDS[backend]
 
 
-def _fuses(chosen: Backend, norms: Norms, q, k, v, mix, group) -> bool:
-    """Whether `chosen` applies `norms` itself: kernels that do, an unsharded call, weights on q's device, and no
-    gradient wanted (the fused norms are forward only)."""
-    tensors = (q, k, v, mix, *norms.tensors)
+def _fuses(chosen: Backend, norms: Norms, q, k, v, mix, rope, group) -> bool:
+    """Whether `chosen` applies `norms` itself: kernels that do, an unsharded call, weights on q's device, no
+    autocast (which runs the norms in fp32, and the op then on what they return), and no gradient wanted (the
+    fused norms are forward only)."""
+    tensors = (q, k, v, mix, *norms.tensors, *(rope or ()))
     return (chosen.run_with_norms is not None and group is None and all(t.device == q.device for t in norms.tensors)
+            and not torch.is_autocast_enabled(q.device.type)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
@@ -152,10 +154,10 @@ def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor
     way where they can (`_fuses`), in PyTorch before and after otherwise."""
     sharded = group is not None
     check_inputs(q, k, v, mix, geometry, sharded)
-    chosen = choose(backend, q, k, v, geometry, options)
-    if norms is not None and _fuses(chosen, norms, q, k, v, mix, group):
-        return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
     if norms is not None:
-        q, k = norms.inputs(q, k)
-    out = chosen.run(q, k, v, mix, geometry, options, rope, group)
+        chosen = choose(backend, q, k, v, geometry, options)
+        if _fuses(chosen, norms, q, k, v, mix, rope, group):
+            return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
+        q, k = norms.inputs(q, k)  # the backend is then chosen for what the norms return (fp32 under autocast)
+    out = choose(backend, q, k, v, geometry, options).run(q, k, v, mix, geometry, options, rope, group)
     return out if norms is None else norms.output(out)

@@ -3,8 +3,12 @@
 Wan's self-attention normalizes q and k across all heads before attention (`norm_q`, `norm_k`: `torch.nn.RMSNorm`
 over heads*D) and MHLA's output norm normalizes each head's output (gain (heads, Dv)). Each is a pass over a
 (B, N, heads*D) tensor: at Wan2.1-1.3B 480p about as much GPU time per layer as the MHLA op itself. `Norms` carries
-them into the op; where the kernels cannot fuse them (gradients, the reference, a context-parallel slice) `inputs`
-and `output` apply them in PyTorch, exactly as the layer's modules do.
+them into the op; where the kernels cannot fuse them (gradients, autocast, the reference, a context-parallel slice)
+`inputs` and `output` apply them in PyTorch, as the layer's modules do; a norm module that anything expects to run
+(a hook, an offloading hook, a patched forward) or whose eps is left to its dtype runs itself (`layer_norms`).
+One case sees both numerics: reentrant gradient checkpointing runs the forward without autograd (fused) and its
+recomputation with it (PyTorch passes), so the loss and its gradients differ at bf16 rounding (diffusers
+checkpoints non-reentrantly, which recomputes the same way twice).
 """
 
 from __future__ import annotations
@@ -48,11 +52,25 @@ class Norms:
         return F.rms_norm(out, (out.shape[-1],), eps=self.out_eps) * self.out_gain.to(out.dtype)
 
 
-def _bypassable(norm: nn.Module) -> bool:
-    """A plain affine `torch.nn.RMSNorm` without hooks: its weight is all there is to it (an offloading hook, as
-    accelerate's, moves the weight onto the device in the module's own forward)."""
-    return (type(norm) is nn.RMSNorm and norm.weight is not None and not norm._forward_hooks
-            and not norm._forward_pre_hooks and getattr(norm, "_hf_hook", None) is None)
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _bypassable(norm: nn.Module, width: int) -> bool:
+    """A plain affine `torch.nn.RMSNorm` over `width` features with a set eps, and nothing that expects its
+    forward to run: no module hook of torch's, accelerate's (`_hf_hook`) or diffusers' (`_diffusers_hook`, group
+    offloading: both move the weight onto the device inside that forward), no forward patched on the instance,
+    no global module hook."""
+    if type(norm) is not nn.RMSNorm or norm.weight is None or norm.eps is None:
+        return False
+    if tuple(norm.normalized_shape) != (width,) or "forward" in vars(norm):
+        return False
+    if any(getattr(norm, name) for name in _MODULE_HOOKS):
+        return False
+    if getattr(norm, "_hf_hook", None) is not None or getattr(norm, "_diffusers_hook", None) is not None:
+        return False
+    return not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
 
 
 def apply_qk_norm(q, k, qk_norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +84,12 @@ def layer_norms(q, k, qk_norm, out_gain) -> tuple[torch.Tensor, torch.Tensor, Op
     """(q, k, norms) for a layer whose q, k (B, N, heads, D) are still to be normalized by `qk_norm` = (norm_q,
     norm_k) across heads (or None) and whose output by `out_gain`: the norms the op can apply go into `norms`;
     modules it cannot bypass run here, on q and k."""
-    if qk_norm is not None and not (all(_bypassable(m) for m in qk_norm) and qk_norm[0].eps == qk_norm[1].eps):
+    width = q.shape[2] * q.shape[3]
+    if qk_norm is not None and not (all(_bypassable(m, width) for m in qk_norm) and qk_norm[0].eps == qk_norm[1].eps):
         q, k, qk_norm = *apply_qk_norm(q, k, qk_norm), None
     if qk_norm is None and out_gain is None:
         return q, k, None
     if qk_norm is None:
         return q, k, Norms(out_gain=out_gain)
     norm_q, norm_k = qk_norm
-    eps = norm_q.eps if norm_q.eps is not None else torch.finfo(q.dtype).eps
-    return q, k, Norms(norm_q.weight, norm_k.weight, float(eps), out_gain)
+    return q, k, Norms(norm_q.weight, norm_k.weight, float(norm_q.eps), out_gain)
