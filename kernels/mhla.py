@@ -17,8 +17,8 @@ then walk each block's tokens inside the slice, and summaries of the blocks it m
   k, v (y = v, Mat = dS, vec = dz, dy = dv).
 
 Summaries are laid out block-major, (M, B*heads, D, Dv), so that mixing across blocks (S~ = mix @ S,
-dS = mix^T dS~) is one plain GEMM, (M x M) @ (M x B*heads*D*Dv), in PyTorch; dmix, the Gram matrix of
-two such (M x B*heads*D*Dv) operands, is a fourth kernel, `_gram_kernel`.
+dS = mix^T dS~) is one plain GEMM, (M x M) @ (M x B*heads*D*Dv), `_mix_kernel`; dmix, the Gram matrix of
+two such (M x B*heads*D*Dv) operands, is another, `_gram_kernel`.
 
 Head dims D, Dv are constexprs: a run-time integer that is no multiple of 16 (DiT's and PixArt's 72) leaves the
 compiler unable to prove the `d < D` masks constant over 8 lanes, and every token load became a scalar 2-byte
@@ -29,8 +29,6 @@ bf16 for bf16 inputs, fp32 otherwise); normalizer sums z are fp32; every accumul
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
@@ -402,6 +400,46 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
     tl.atomic_add(out_ptr + i[:, None] * M + j[None, :], acc, mask=(i < M)[:, None] & (j < M)[None, :])
 
 
+@triton.jit
+def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols):
+    """A masked (rows x cols) tile in the pointer's own type (zeros outside)."""
+    return tl.load(ptr + rows[:, None] * s_rows + cols[None, :] * s_cols, mask=mask_rows[:, None] & mask_cols[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, smi, smb, ssb, ssf,
+                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """out[i, f] = sum_b mix[i, b] s[b, f] ((M, M) mix of any strides, (M, F) s, contiguous (M, F) out) for the
+    BLOCK_F columns of grid axis 0 and the ROWS rows of axis 1; mix is cast to s's type as it is loaded, fp32
+    accumulate. WHOLE_K (M <= BLOCK_K): the (M x BLOCK_F) tile of s is loaded once and each BLOCK_M row block is
+    one product against it; else each row block walks K in BLOCK_K steps. Row offsets into s and out are int64:
+    M * F passes 2^31 for long videos."""
+    pid_f, pid_r = tl.program_id(0), tl.program_id(1)
+    f = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask_f = f < F
+    k = tl.arange(0, BLOCK_K)
+    if WHOLE_K:
+        s = _tile(s_ptr, k.to(tl.int64), ssb, k < M, f, ssf, mask_f)
+    r0 = pid_r * ROWS
+    for r in range(r0, tl.minimum(r0 + ROWS, M), BLOCK_M):
+        i = r + tl.arange(0, BLOCK_M)
+        mask_i = i < M
+        if WHOLE_K:
+            a = _tile(mix_ptr, i, smi, mask_i, k, smb, k < M).to(s_ptr.dtype.element_ty)
+            acc = tl.dot(a, s, input_precision=PRECISION)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
+            for k0 in range(0, M, BLOCK_K):
+                kk = k0 + k
+                a = _tile(mix_ptr, i, smi, mask_i, kk, smb, kk < M).to(s_ptr.dtype.element_ty)
+                acc = tl.dot(a, _tile(s_ptr, kk.to(tl.int64), ssb, kk < M, f, ssf, mask_f), acc,
+                             input_precision=PRECISION)
+        tl.store(out_ptr + i.to(tl.int64)[:, None] * F + f[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_i[:, None] & mask_f[None, :])
+
+
 # ----------------------------------------------------------------------------- launchers
 
 
@@ -459,12 +497,17 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 
 # Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md); "programs"
 # is how many programs to aim for (tokens per program follow from it); "maxnreg" caps registers per
-# thread (None: the compiler's choice).
+# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_launch`): 64-row blocks against 128-column S tiles
+# on 4 warps, as the session 28 scratch kernels measured best; a program holds the S tile of up to "whole_k" blocks,
+# more walk K in "block_k" steps (the scratch's best K-stepped tile); the stages and the K-loop tile are not timed in
+# the op yet, chosen on an sm_90 compile for no spills (`resources.py`).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
+    "mix": {"block_m": 64, "block_f": 128, "whole_k": 256, "block_k": 32, "row_blocks": None, "num_warps": 4,
+            "num_stages": 2},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
 # memory per token tile than the plain kernel).
@@ -644,31 +687,47 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-@contextlib.contextmanager
-def _tf32(enabled: bool):
-    """fp32 GEMMs in TF32 for 16-bit inputs: mixing is compute-bound in plain fp32 at large M.
+def _mix_launch(m: int, fp32: bool) -> tuple[int, dict]:
+    """Rows per program and the launch arguments of `_mix_kernel` at M blocks (fp32: S is fp32), from CONFIG["mix"].
 
-    Flips torch's process-wide flag for the duration (restored after), as torch offers no per-call switch.
+    Where the whole K fits one step (M <= "whole_k"), a program takes all M rows of its F tile ("row_blocks": None;
+    an integer caps it): it reads its S tile once, and M / 64 row blocks multiply it. H200, session 28, scratch
+    kernels in bf16 (BENCHMARKS.md; ms, cuBLAS in brackets): 180 blocks 0.084 (0.107) against 0.125 with one row
+    block per program, 252 blocks 0.351 (0.474) against 0.643. Up to BLOCK_M blocks the two are one launch (60
+    blocks: 0.0137 and 0.0158 ms in the two scratch forms, cuBLAS 0.0226). Provisional: nothing between 64 and 180
+    blocks was timed, nor the small F of the normalizer sums z (F = B*heads*D: tens of F tiles). Over "whole_k"
+    blocks a program takes one row block and walks K in "block_k" steps: a plain tile GEMM, which the scratch timed
+    at cuBLAS' speed (64 x 128 x 32: 0.101 vs 0.107 ms at 180 blocks). A whole fp32 S tile takes one stage: at 256
+    rows two stages of mix rows beside it need 294,912 bytes of shared memory (sm_90 compile, `resources.py`), over
+    the H200's 232,448.
     """
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+    cfg = CONFIG["mix"]
+    block_m = max(16, min(cfg["block_m"], _pow2(m)))
+    whole_k = m <= cfg["whole_k"]
+    row_blocks = (cfg["row_blocks"] or triton.cdiv(m, block_m)) if whole_k else 1
+    return row_blocks * block_m, dict(
+        BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=max(16, _pow2(m)) if whole_k else cfg["block_k"],
+        WHOLE_K=whole_k, num_warps=cfg["num_warps"], num_stages=1 if whole_k and fp32 else cfg["num_stages"])
 
 
 def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum_b mix[i, b] s[b]: block-major s makes this one GEMM, (M x M) @ (M x rest), in s's type (fp32
-    accumulate; fp32 s in TF32 for 16-bit inputs).
+    accumulate; fp32 s in TF32 for 16-bit inputs), `_mix_kernel` with mix's own strides (the backward's mix^T
+    view is not copied).
 
     The layout is the point: with (B*heads, M, ...) summaries it was a batched GEMM of B*heads (M x M) @
     (M x D*Dv) products, which cuBLAS ran at ~1.7 TB/s whatever the type (H200, Wan 480p: 28 us for fp32 and
-    for bf16). `mix` is detached (gradients reach it through the custom op's backward): torch.matmul with a
-    grad-requiring 2-D operand and a batched one folds into a copy of s, grad mode or not.
+    for bf16). cuBLAS' one GEMM then ran at 4x its byte floor at the model's block counts (`_mix_launch`).
     """
-    with _tf32(dtype != torch.float32):
-        return torch.mm(mix.detach().to(s.dtype), s.flatten(1)).view(s.shape)
+    m = s.shape[0]
+    flat = s.flatten(1)
+    out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
+    rows, launch = _mix_launch(m, s.dtype == torch.float32)
+    _mix_kernel[(triton.cdiv(flat.shape[1], launch["BLOCK_F"]), triton.cdiv(m, rows))](
+        mix, flat, out, m, flat.shape[1], rows, mix.stride(0), mix.stride(1), flat.stride(0), flat.stride(1),
+        PRECISION=_dot_types(dtype)[1], **launch,
+    )
+    return out.view(s.shape)
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -38,6 +38,8 @@ CASES = [
     "wan model, norms on the way",
     "stages",
     "stages split programs",
+    "mixing kernel fp32 (IEEE)",
+    "mixing kernel fp16 inputs (TF32)",
     "torch.compile fullgraph",
     "opcheck",
 ]
@@ -254,22 +256,34 @@ def test_short_block_overrides_apply_where_they_were_measured():
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
-def test_mixing_product_is_one_gemm_without_copies(transposed):
-    """Mixing block-major summaries is one plain GEMM, also when mix is a model's Parameter (torch.matmul
-    folds a grad-requiring 2-D operand with a batched one into copies of the summaries, even under no_grad)
-    and for the backward's mix^T view."""
+@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, "tf32"), (torch.float16, "tf32"), (torch.float32, "ieee")])
+def test_mixing_kernel_reads_mix_through_its_strides_without_copies(transposed, dtype, precision, monkeypatch):
+    """The mixing kernel gets mix itself and its strides: the backward's mix^T view and a model's Parameter reach it
+    uncopied (torch.matmul folded a grad-requiring 2-D operand with batched summaries into copies of them, even under
+    no_grad), and the summaries as a view. fp32 summaries multiply in TF32 for 16-bit inputs, IEEE for fp32 ones.
+    The launch is recorded, not run (its values: kernels_interp.py, the "mixing kernel" cases)."""
     from torch.profiler import ProfilerActivity, profile
 
     from mhla_diffusion.kernels import mhla
 
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
     mix = torch.nn.Parameter(torch.rand(6, 6))
     mat = mix.t() if transposed else mix
     s = torch.randn(6, 4, 8, 8)  # (M, B*heads, D, Dv)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = mhla.mix_blocks(mat, s, torch.bfloat16)
+        out = mhla.mix_blocks(mat, s, dtype)
     ops = {event.name for event in prof.events()}
-    assert "aten::mm" in ops and not ops & {"aten::bmm", "aten::clone", "aten::contiguous", "aten::copy_"}, ops
-    torch.testing.assert_close(out, torch.einsum("ij,jbde->ibde", mat.detach(), s))
+    assert not ops & {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy"}, ops
+    [(args, kwargs)] = launches
+    assert args[0] is mat and args[6:8] == mat.stride()
+    assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (6, 4 * 8 * 8)
+    assert kwargs["PRECISION"] == precision and out.shape == s.shape and out.dtype == s.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
