@@ -1,7 +1,7 @@
 """Developer tool: where the time of one MHLA call goes, stage by stage, and launch-config sweeps.
 
-    python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram]
-        [--sweep rope|short] [--shapes wan480 ... dit512 ...]
+    python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram mix]
+        [--sweep rope|short] [--shapes wan480 ... wan480auto ... dit512 ...]
 
 Prints median ms (triton.testing.do_bench) of each stage of forward and backward at the
 Wan2.1 shapes (or `--shapes`); with --tune KERNEL..., first a coordinate descent over SWEEP for those kernels'
@@ -22,6 +22,9 @@ from . import mhla
 
 SHAPES = {
     "wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8)),
+    # the blocks a converted Wan runs ('auto': 180 at 480p, 252 at 14B 720p), where the mixing GEMM is a third of the op
+    **{name + "auto": (heads, d, grid, resolve_blocks(grid, "auto")) for name, heads, d, grid in (
+        ("wan480", 12, 128, (21, 30, 52)), ("wan720", 40, 128, (21, 45, 80)))},
     # short blocks (mhla.SHORT_BLOCK), in the op's 'auto' cut: DiT-XL/2 at 512 and 1024 px, SANA-1.6B at 1K
     **{name: (heads, d, grid, resolve_blocks(grid, "auto")) for name, heads, d, grid in (
         ("dit512", 16, 72, (1, 32, 32)), ("dit1024", 16, 72, (1, 64, 64)), ("sana1k", 70, 32, (1, 32, 32)))},
@@ -29,12 +32,14 @@ SHAPES = {
 SWEEP = {
     "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "programs": (256, 1024, 4096),
     "max_dv": (64, 128), "block_k": (32, 64, 128), "maxnreg": (None, 128, 168),
+    "block_f": (64, 128, 256), "row_blocks": (None, 1, 2),
 }
 KERNEL_STAGES = {
     "summary": ("fwd: summaries", "bwd: dS~ summaries"),
     "gram": ("bwd: dmix",),
     "output": ("fwd: output",),
     "grad": ("bwd: dq + stats", "bwd: dk, dv"),
+    "mix": ("fwd: mix (S and z)", "bwd: mix^T"),
 }
 
 
