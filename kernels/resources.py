@@ -10,7 +10,8 @@ shared memory, and counts of the SASS instructions that decide speed: tensor-cor
 the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and scalar 16-bit global loads,
 local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
 Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
-per SM; LDG.E.U16 in a hot loop means a load lost its vectorization.
+per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's rows (`mhla.CONFIG["mix"]`)
+are at the 14B model's 252 blocks, where a program holds its whole 256-row S tile.
 """
 
 from __future__ import annotations
@@ -71,7 +72,13 @@ KERNELS = {
                    DIT_BLOCK_TOKENS),
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),
+    # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) at the 14B model's 252 blocks, forward:
+    # bf16 S, and fp32 S in TF32 (normalizer sums z, a slice's partial S)
+    "mix bf16": (mhla._mix_kernel, "mix", dict(PRECISION="tf32")),
+    "mix fp32 tf32": (mhla._mix_kernel, "mix", dict(PRECISION="tf32", s_ptr="*fp32", out_ptr="*fp32")),
 }
+# Blocks and S columns (B*heads*D*Dv) of the mixing rows: Wan2.1-14B 720p in its "auto" cut (3, 7, 12), B = 1.
+MIX_BLOCKS, MIX_COLUMNS = 252, 40 * 128 * 128
 
 
 def _tool(name: str) -> str:
@@ -85,9 +92,14 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict):
     """The kernel compiled for sm_90 with `constexprs` fixed and the other arguments typed as a call passes them.
 
     A value given for an integer the kernel does not declare constexpr (a stride, a head dim) is specialized as the
-    JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown."""
+    JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown. A
+    pointer given a type ("*fp32") gets it; others are fp32 if in FP32_POINTERS, else bf16."""
     signature, fixed, attrs = {}, {}, {}
     for i, (arg, param) in enumerate(zip(kernel.arg_names, kernel.params)):
+        if arg.endswith("_ptr"):
+            signature[arg] = constexprs.get(arg, "*fp32" if arg in FP32_POINTERS else "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+            continue
         if arg in constexprs and (param.is_constexpr or constexprs[arg] == 1):
             signature[arg], fixed[(i,)] = "constexpr", constexprs[arg]
             continue
@@ -96,11 +108,8 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict):
             if constexprs[arg] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
             continue
-        if arg.endswith("_ptr"):
-            signature[arg] = "*fp32" if arg in FP32_POINTERS else "*bf16"
-        else:
-            signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
-        if arg.endswith("_ptr") or DIVISIBLE.match(arg):
+        signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
+        if DIVISIBLE.match(arg):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, fixed, attrs), target=HOPPER, options=options)
 
@@ -122,10 +131,23 @@ def usage(compiled) -> dict:
     return row
 
 
+def _mix_row(constexprs: dict) -> tuple[dict, dict]:
+    """Arguments and launch options of a mixing row: `mhla._mix_launch` at MIX_BLOCKS, the forward's contiguous mix
+    (unit column stride) and S, specialized as the JIT specializes them."""
+    rows, launch = mhla._mix_launch(MIX_BLOCKS, constexprs.get("s_ptr") == "*fp32")
+    options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
+    sizes = dict(M=MIX_BLOCKS, F=MIX_COLUMNS, ROWS=rows, smi=MIX_BLOCKS, smb=1, ssb=MIX_COLUMNS, ssf=1)
+    return {**sizes, **launch, **constexprs}, options
+
+
 def report() -> dict:
-    """Usage of each kernel in KERNELS at the bf16 128 x 128 configuration its block length gets."""
+    """Usage of each kernel in KERNELS at the bf16 128 x 128 configuration its block length gets (the mixing rows:
+    `_mix_row`)."""
     rows = {}
     for name, (kernel, entry, constexprs, *block_tokens) in KERNELS.items():
+        if entry == "mix":
+            rows[name] = usage(compile_for_hopper(kernel, *_mix_row(constexprs)))
+            continue
         cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],
                            constexprs["ROPE"], norms=constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False))
         off = {k: v for k, v in OFF.items() if k in kernel.arg_names}

@@ -187,12 +187,13 @@ def test_unknown_backend_is_rejected():
 
 
 def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
-    """`kernels/resources.py` compiles every token kernel for sm_90 on this CPU-only machine and reads the
+    """`kernels/resources.py` compiles every token kernel and the mixing GEMM for sm_90 on this CPU-only machine and reads the
     binaries: all run on tensor cores (wgmma at Wan's block length; the short blocks' small token tiles take the
     warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM)
     with async-copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim
     (72, no multiple of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they
-    were scalar 2-byte loads without async copies (the JIT marks only multiples of 16)."""
+    were scalar 2-byte loads without async copies (the JIT marks only multiples of 16). The mixing GEMM holds a
+    256-row S tile (the 14B model's 252 blocks) in bf16 and in fp32 without spilling and fits in shared memory."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -211,6 +212,9 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
+    for name in ("mix bf16", "mix fp32 tf32"):  # a program's whole 256-row S tile: 16-byte loads, no spill, and
+        row = rows[name]  # within the H200's 232,448 bytes of shared memory per program
+        assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["smem B"]) <= 232448, row
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
 
 
