@@ -30,6 +30,8 @@ bf16 for bf16 inputs, fp32 otherwise); normalizer sums z are fp32; every accumul
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -408,14 +410,14 @@ def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols):
 
 
 @triton.jit
-def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, smi, smb, ssb, ssf,
+def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, MP, ssb, ssf,
                 BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr,
                 PRECISION: tl.constexpr):
-    """out[i, f] = sum_b mix[i, b] s[b, f] ((M, M) mix of any strides, (M, F) s, contiguous (M, F) out) for the
-    BLOCK_F columns of grid axis 0 and the ROWS rows of axis 1; mix is cast to s's type as it is loaded, fp32
-    accumulate. WHOLE_K (M <= BLOCK_K): the (M x BLOCK_F) tile of s is loaded once and each BLOCK_M row block is
-    one product against it; else each row block walks K in BLOCK_K steps. Row offsets into s and out are int64:
-    M * F passes 2^31 for long videos."""
+    """out[i, f] = sum_b mix[i, b] s[b, f] ((M, MP) mix in s's type, zero beyond column M, MP a multiple of 16 that
+    lets its row loads vectorize; (M, F) s, contiguous (M, F) out) for the BLOCK_F columns of grid axis 0 and the
+    ROWS rows of axis 1, fp32 accumulate. WHOLE_K (M <= BLOCK_K): the (M x BLOCK_F) tile of s is loaded once and
+    each BLOCK_M row block is one product against it; else each row block walks K in BLOCK_K steps. Row offsets into
+    s and out are int64: M * F passes 2^31 for long videos."""
     pid_f, pid_r = tl.program_id(0), tl.program_id(1)
     f = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask_f = f < F
@@ -427,15 +429,13 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, smi, smb, ssb, ssf,
         i = r + tl.arange(0, BLOCK_M)
         mask_i = i < M
         if WHOLE_K:
-            a = _tile(mix_ptr, i, smi, mask_i, k, smb, k < M).to(s_ptr.dtype.element_ty)
-            acc = tl.dot(a, s, input_precision=PRECISION)
+            acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, k, 1, k < MP), s, input_precision=PRECISION)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
             for k0 in range(0, M, BLOCK_K):
                 kk = k0 + k
-                a = _tile(mix_ptr, i, smi, mask_i, kk, smb, kk < M).to(s_ptr.dtype.element_ty)
-                acc = tl.dot(a, _tile(s_ptr, kk.to(tl.int64), ssb, kk < M, f, ssf, mask_f), acc,
-                             input_precision=PRECISION)
+                acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, kk, 1, kk < MP),
+                             _tile(s_ptr, kk.to(tl.int64), ssb, kk < M, f, ssf, mask_f), acc, input_precision=PRECISION)
         tl.store(out_ptr + i.to(tl.int64)[:, None] * F + f[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_i[:, None] & mask_f[None, :])
 
@@ -697,35 +697,64 @@ def _mix_launch(m: int, fp32: bool) -> tuple[int, dict]:
     blocks: 0.0137 and 0.0158 ms in the two scratch forms, cuBLAS 0.0226). Provisional: nothing between 64 and 180
     blocks was timed, nor the small F of the normalizer sums z (F = B*heads*D: tens of F tiles). Over "whole_k"
     blocks a program takes one row block and walks K in "block_k" steps: a plain tile GEMM, which the scratch timed
-    at cuBLAS' speed (64 x 128 x 32: 0.101 vs 0.107 ms at 180 blocks). A whole fp32 S tile takes one stage: at 256
-    rows two stages of mix rows beside it need 294,912 bytes of shared memory (sm_90 compile, `resources.py`), over
-    the H200's 232,448.
+    at cuBLAS' speed (64 x 128 x 32: 0.101 vs 0.107 ms at 180 blocks). A whole fp32 S tile of over 128 rows takes
+    one stage: at 256 rows two stages of mix rows beside it need 294,912 bytes of shared memory (sm_90 compile,
+    `resources.py`), over the H200's 232,448.
     """
     cfg = CONFIG["mix"]
     block_m = max(16, min(cfg["block_m"], _pow2(m)))
     whole_k = m <= cfg["whole_k"]
+    block_k = max(16, _pow2(m)) if whole_k else cfg["block_k"]
     row_blocks = (cfg["row_blocks"] or triton.cdiv(m, block_m)) if whole_k else 1
     return row_blocks * block_m, dict(
-        BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=max(16, _pow2(m)) if whole_k else cfg["block_k"],
-        WHOLE_K=whole_k, num_warps=cfg["num_warps"], num_stages=1 if whole_k and fp32 else cfg["num_stages"])
+        BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=block_k, WHOLE_K=whole_k, num_warps=cfg["num_warps"],
+        num_stages=1 if fp32 and block_k > 128 else cfg["num_stages"])
+
+
+def _mix_operand(mix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mix in the type S multiplies in, zero-padded to a multiple of 16 columns: its row loads, masked at that width,
+    vectorize (masked at 180 or 252 they were 2-byte loads in bf16, 4-byte in fp32), and the backward's mix^T view
+    becomes the same contiguous operand (read through its strides it took 255 registers and spilled at 180 and 252
+    blocks; sm_90 compiles, `resources.py`). An (M x M) copy, as cuBLAS' mix.to(s.dtype) made."""
+    m = mix.shape[0]
+    return torch.nn.functional.pad(mix.detach().to(dtype), (0, triton.cdiv(m, 16) * 16 - m))
+
+
+@contextlib.contextmanager
+def _plain_fp32():
+    """cuBLAS' SGEMM without TF32, for fp32 inputs: the mixing kernel's IEEE fp32 product runs on FMA units, and its
+    whole S tile then spills (sm_90 compile: a 20,000-byte stack at 130 and 252 blocks). Flips torch's process-wide
+    flag for the call (restored after), as torch offers no per-call switch (recipes may set TF32 on globally)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum_b mix[i, b] s[b]: block-major s makes this one GEMM, (M x M) @ (M x rest), in s's type (fp32
-    accumulate; fp32 s in TF32 for 16-bit inputs), `_mix_kernel` with mix's own strides (the backward's mix^T
-    view is not copied).
+    accumulate; fp32 s in TF32 for 16-bit inputs): `_mix_kernel`, or cuBLAS in plain fp32 for fp32 inputs.
 
     The layout is the point: with (B*heads, M, ...) summaries it was a batched GEMM of B*heads (M x M) @
     (M x D*Dv) products, which cuBLAS ran at ~1.7 TB/s whatever the type (H200, Wan 480p: 28 us for fp32 and
     for bf16). cuBLAS' one GEMM then ran at 4x its byte floor at the model's block counts (`_mix_launch`).
+    `mix` is detached (gradients reach it through the custom op's backward): torch.matmul with a grad-requiring
+    2-D operand and a batched one folds into a copy of s, grad mode or not.
     """
-    m = s.shape[0]
     flat = s.flatten(1)
+    precision = _dot_types(dtype)[1]
+    if precision == "ieee":
+        with _plain_fp32():
+            return torch.mm(mix.detach().to(s.dtype), flat).view(s.shape)
+    m = s.shape[0]
+    a = _mix_operand(mix, s.dtype)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
     rows, launch = _mix_launch(m, s.dtype == torch.float32)
     _mix_kernel[(triton.cdiv(flat.shape[1], launch["BLOCK_F"]), triton.cdiv(m, rows))](
-        mix, flat, out, m, flat.shape[1], rows, mix.stride(0), mix.stride(1), flat.stride(0), flat.stride(1),
-        PRECISION=_dot_types(dtype)[1], **launch,
+        a, flat, out, m, flat.shape[1], rows, a.stride(0), flat.stride(0), flat.stride(1), PRECISION=precision,
+        **launch,
     )
     return out.view(s.shape)
 

@@ -6,6 +6,7 @@ rest of the session keeps importing triton normally.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,8 +39,7 @@ CASES = [
     "wan model, norms on the way",
     "stages",
     "stages split programs",
-    "mixing kernel fp32 (IEEE)",
-    "mixing kernel fp16 inputs (TF32)",
+    "mixing kernel",
     "torch.compile fullgraph",
     "opcheck",
 ]
@@ -187,13 +187,13 @@ def test_unknown_backend_is_rejected():
 
 
 def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
-    """`kernels/resources.py` compiles every token kernel and the mixing GEMM for sm_90 on this CPU-only machine and reads the
-    binaries: all run on tensor cores (wgmma at Wan's block length; the short blocks' small token tiles take the
-    warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM)
-    with async-copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim
-    (72, no multiple of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they
-    were scalar 2-byte loads without async copies (the JIT marks only multiples of 16). The mixing GEMM holds a
-    256-row S tile (the 14B model's 252 blocks) in bf16 and in fp32 without spilling and fits in shared memory."""
+    """`kernels/resources.py` compiles every token kernel and the mixing GEMM for sm_90 on this CPU-only machine and
+    reads the binaries: all run on tensor cores (wgmma at Wan's block length; the short blocks' small token tiles
+    take the warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM) with async-
+    copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim (72, no multiple
+    of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they were scalar 2-byte
+    loads without async copies (the JIT marks only multiples of 16). The mixing GEMM holds a 256-row S tile (the 14B
+    model's 252 blocks) in bf16 and in fp32 without spilling and fits in shared memory."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -212,9 +212,10 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
-    for name in ("mix bf16", "mix fp32 tf32"):  # a program's whole 256-row S tile: 16-byte loads, no spill, and
-        row = rows[name]  # within the H200's 232,448 bytes of shared memory per program
-        assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["smem B"]) <= 232448, row
+    for name in ("mix bf16", "mix fp32 tf32"):  # a program's whole 256-row S tile: 16-byte loads (no 2-byte mix
+        row = rows[name]  # loads either), no spill, and within the H200's 232,448 bytes of shared memory per program
+        assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
+        assert int(row["smem B"]) <= 232448, row
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
 
 
@@ -260,12 +261,12 @@ def test_short_block_overrides_apply_where_they_were_measured():
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
-@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, "tf32"), (torch.float16, "tf32"), (torch.float32, "ieee")])
-def test_mixing_kernel_reads_mix_through_its_strides_without_copies(transposed, dtype, precision, monkeypatch):
-    """The mixing kernel gets mix itself and its strides: the backward's mix^T view and a model's Parameter reach it
-    uncopied (torch.matmul folded a grad-requiring 2-D operand with batched summaries into copies of them, even under
-    no_grad), and the summaries as a view. fp32 summaries multiply in TF32 for 16-bit inputs, IEEE for fp32 ones.
-    The launch is recorded, not run (its values: kernels_interp.py, the "mixing kernel" cases)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, dtype, monkeypatch):
+    """The mixing kernel gets the summaries as a view (torch.matmul folded a grad-requiring 2-D operand with batched
+    summaries into copies of them, even under no_grad), and mix, a model's Parameter or the backward's mix^T view,
+    as one small contiguous copy in the summaries' type, zero-padded to 16 columns; fp32 summaries multiply in TF32
+    for 16-bit inputs. The launch is recorded, not run (its values: kernels_interp.py, "mixing kernel")."""
     from torch.profiler import ProfilerActivity, profile
 
     from mhla_diffusion.kernels import mhla
@@ -279,15 +280,38 @@ def test_mixing_kernel_reads_mix_through_its_strides_without_copies(transposed, 
     monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
     mix = torch.nn.Parameter(torch.rand(6, 6))
     mat = mix.t() if transposed else mix
-    s = torch.randn(6, 4, 8, 8)  # (M, B*heads, D, Dv)
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    s = torch.randn(6, 4, 8, 8, dtype=mhla.state_dtype(dtype))  # (M, B*heads, D, Dv)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out = mhla.mix_blocks(mat, s, dtype)
-    ops = {event.name for event in prof.events()}
-    assert not ops & {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy"}, ops
+    copies = {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy", "aten::mm", "aten::bmm"}
+    shapes = [shape for event in prof.events() if event.name in copies for shape in event.input_shapes]
+    assert all(math.prod(shape) <= 6 * 16 for shape in shapes), shapes  # nothing the size of the summaries
     [(args, kwargs)] = launches
-    assert args[0] is mat and args[6:8] == mat.stride()
+    padded = args[0]
+    assert padded.dtype == s.dtype and padded.shape == (6, 16) and padded.is_contiguous() and args[6] == 16
+    assert torch.equal(padded[:, :6], mat.detach().to(s.dtype)) and not padded[:, 6:].any()
     assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (6, 4 * 8 * 8)
-    assert kwargs["PRECISION"] == precision and out.shape == s.shape and out.dtype == s.dtype
+    assert kwargs["PRECISION"] == "tf32" and out.shape == s.shape and out.dtype == s.dtype
+
+
+def test_fp32_inputs_mix_in_plain_fp32_whatever_the_global_tf32_flag(monkeypatch):
+    """fp32 inputs mix through cuBLAS with TF32 off for the call (the kernel's IEEE fp32 product spills), also where a
+    recipe turned TF32 on for the process; the flag is restored after, and the mixing kernel is not launched."""
+    from mhla_diffusion.kernels import mhla
+
+    seen, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: seen.append(torch.backends.cuda.matmul.allow_tf32) or mm(a, b))
+    monkeypatch.setattr(mhla, "_mix_kernel", None)  # indexing it for a launch would raise
+    mix = torch.nn.Parameter(torch.rand(6, 6))
+    s = torch.randn(6, 4, 8, 8)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        out = mhla.mix_blocks(mix.t(), s, torch.float32)
+        assert seen == [False] and torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    torch.testing.assert_close(out, torch.einsum("ij,jbde->ibde", mix.detach().t(), s))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
