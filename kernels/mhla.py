@@ -715,9 +715,12 @@ def _mix_operand(mix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """mix in the type S multiplies in, zero-padded to a multiple of 16 columns: its row loads, masked at that width,
     vectorize (masked at 180 or 252 they were 2-byte loads in bf16, 4-byte in fp32), and the backward's mix^T view
     becomes the same contiguous operand (read through its strides it took 255 registers and spilled at 180 and 252
-    blocks; sm_90 compiles, `resources.py`). An (M x M) copy, as cuBLAS' mix.to(s.dtype) made."""
+    blocks; sm_90 compiles, `resources.py`). An (M x M) copy, as cuBLAS' mix.to(s.dtype) made; written into a fresh
+    buffer, as torch's pad and .to() hand mix^T back in its own strides where there is nothing to pad or convert."""
     m = mix.shape[0]
-    return torch.nn.functional.pad(mix.detach().to(dtype), (0, triton.cdiv(m, 16) * 16 - m))
+    out = mix.new_zeros((m, triton.cdiv(m, 16) * 16), dtype=dtype)
+    out[:, :m] = mix.detach()
+    return out
 
 
 @contextlib.contextmanager

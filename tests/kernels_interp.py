@@ -211,7 +211,7 @@ def mix_case():
     product. The GPU multiplies them in TF32, which the interpreter computes in IEEE fp32 (np.matmul)."""
     gen = torch.Generator().manual_seed(7)
     errors = {}
-    for m in (1, 2, 7, 60, 130, 300):
+    for m in (1, 2, 7, 16, 60, 130, 256, 300):  # 16, 256: multiples of 16, where mix needs no padding
         mix = torch.rand(m, m, generator=gen)
         summaries = {"S": torch.randn(m, 3, 16, 8, generator=gen), "z": torch.rand(m, 3, 20, generator=gen)}
         whole_k = m <= mhla.CONFIG["mix"]["whole_k"]

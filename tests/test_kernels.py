@@ -260,9 +260,10 @@ def test_short_block_overrides_apply_where_they_were_measured():
                                                                                   rope=True)
 
 
+@pytest.mark.parametrize("m", [6, 16])  # 16: no padding to add, which torch's pad and .to() did in mix^T's strides
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, dtype, monkeypatch):
+def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, dtype, m, monkeypatch):
     """The mixing kernel gets the summaries as a view (torch.matmul folded a grad-requiring 2-D operand with batched
     summaries into copies of them, even under no_grad), and mix, a model's Parameter or the backward's mix^T view,
     as one small contiguous copy in the summaries' type, zero-padded to 16 columns; fp32 summaries multiply in TF32
@@ -278,19 +279,19 @@ def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, dt
             return lambda *args, **kwargs: launches.append((args, kwargs))
 
     monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
-    mix = torch.nn.Parameter(torch.rand(6, 6))
+    mix = torch.nn.Parameter(torch.rand(m, m))
     mat = mix.t() if transposed else mix
-    s = torch.randn(6, 4, 8, 8, dtype=mhla.state_dtype(dtype))  # (M, B*heads, D, Dv)
+    s = torch.randn(m, 4, 8, 8, dtype=mhla.state_dtype(dtype))  # (M, B*heads, D, Dv)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out = mhla.mix_blocks(mat, s, dtype)
     copies = {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy", "aten::mm", "aten::bmm"}
     shapes = [shape for event in prof.events() if event.name in copies for shape in event.input_shapes]
-    assert all(math.prod(shape) <= 6 * 16 for shape in shapes), shapes  # nothing the size of the summaries
+    assert all(math.prod(shape) <= m * 16 for shape in shapes), shapes  # nothing the size of the summaries
     [(args, kwargs)] = launches
     padded = args[0]
-    assert padded.dtype == s.dtype and padded.shape == (6, 16) and padded.is_contiguous() and args[6] == 16
-    assert torch.equal(padded[:, :6], mat.detach().to(s.dtype)) and not padded[:, 6:].any()
-    assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (6, 4 * 8 * 8)
+    assert padded.dtype == s.dtype and padded.shape == (m, 16) and padded.stride() == (16, 1) and args[6] == 16
+    assert torch.equal(padded[:, :m], mat.detach().to(s.dtype)) and not padded[:, m:].any()
+    assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (m, 4 * 8 * 8)
     assert kwargs["PRECISION"] == "tf32" and out.shape == s.shape and out.dtype == s.dtype
 
 
