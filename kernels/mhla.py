@@ -17,7 +17,7 @@ then walk each block's tokens inside the slice, and summaries of the blocks it m
   k, v (y = v, Mat = dS, vec = dz, dy = dv).
 
 Summaries are laid out block-major, (M, B*heads, D, Dv), so that mixing across blocks (S~ = mix @ S,
-dS = mix^T dS~) is one plain GEMM, (M x M) @ (M x B*heads*D*Dv), `_mix_kernel`; dmix, the Gram matrix of
+dS = mix^T dS~) is one plain GEMM, (M x M) @ (M x B*heads*D*Dv), `_mix_kernel` or cuBLAS; dmix, the Gram matrix of
 two such (M x B*heads*D*Dv) operands, is another, `_gram_kernel`.
 
 Head dims D, Dv are constexprs: a run-time integer that is no multiple of 16 (DiT's and PixArt's 72) leaves the
@@ -411,11 +411,10 @@ def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols):
 
 @triton.jit
 def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, MP, ssb, ssf,
-                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr,
-                PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, MP) mix in s's type, zero beyond column M, MP a multiple of 16 that
     lets its row loads vectorize; (M, F) s, contiguous (M, F) out) for the BLOCK_F columns of grid axis 0 and the
-    ROWS rows of axis 1, fp32 accumulate. WHOLE_K (M <= BLOCK_K): the (M x BLOCK_F) tile of s is loaded once and
+    ROWS rows of axis 1, fp32 accumulate (bf16 s in the op; fp32 s multiplies in TF32). WHOLE_K (M <= BLOCK_K): the (M x BLOCK_F) tile of s is loaded once and
     each BLOCK_M row block is one product against it; else each row block walks K in BLOCK_K steps. Row offsets into
     s and out are int64: M * F passes 2^31 for long videos."""
     pid_f, pid_r = tl.program_id(0), tl.program_id(1)
@@ -429,13 +428,13 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, MP, ssb, ssf,
         i = r + tl.arange(0, BLOCK_M)
         mask_i = i < M
         if WHOLE_K:
-            acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, k, 1, k < MP), s, input_precision=PRECISION)
+            acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, k, 1, k < MP), s)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
             for k0 in range(0, M, BLOCK_K):
                 kk = k0 + k
                 acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, kk, 1, kk < MP),
-                             _tile(s_ptr, kk.to(tl.int64), ssb, kk < M, f, ssf, mask_f), acc, input_precision=PRECISION)
+                             _tile(s_ptr, kk.to(tl.int64), ssb, kk < M, f, ssf, mask_f), acc)
         tl.store(out_ptr + i.to(tl.int64)[:, None] * F + f[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_i[:, None] & mask_f[None, :])
 
@@ -497,16 +496,16 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 
 # Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md); "programs"
 # is how many programs to aim for (tokens per program follow from it); "maxnreg" caps registers per
-# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_launch`): 64-row blocks against 128-column S tiles
-# on 4 warps, as the session 28 scratch kernels measured best; a program holds the S tile of up to "whole_k" blocks,
-# more walk K in "block_k" steps (the scratch's best K-stepped tile); the stages and the K-loop tile are not timed in
-# the op yet, chosen on an sm_90 compile for no spills (`resources.py`).
+# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_launch`): 64-row blocks against 64-column S tiles
+# on 4 warps; a program holds the S tile of up to "whole_k" blocks, more walk K in "block_k" steps. H200, session 29
+# sweep (BENCHMARKS.md), bf16 S, us, 128 -> 64 columns: 180 blocks 92.0 -> 87.3, 252: 361.7 -> 337.2, 121: 50.2 ->
+# 50.4, 60: 18.8 -> 20.4; one row block per program (row_blocks 1) was slower everywhere over 64 blocks (180: 136).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
-    "mix": {"block_m": 64, "block_f": 128, "whole_k": 256, "block_k": 32, "row_blocks": None, "num_warps": 4,
+    "mix": {"block_m": 64, "block_f": 64, "whole_k": 256, "block_k": 32, "row_blocks": None, "num_warps": 4,
             "num_stages": 2},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
@@ -687,49 +686,64 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _mix_launch(m: int, fp32: bool) -> tuple[int, dict]:
-    """Rows per program and the launch arguments of `_mix_kernel` at M blocks (fp32: S is fp32), from CONFIG["mix"].
+def _mix_launch(m: int) -> tuple[int, dict]:
+    """Rows per program and the launch arguments of `_mix_kernel` at M blocks, from CONFIG["mix"].
 
     Where the whole K fits one step (M <= "whole_k"), a program takes all M rows of its F tile ("row_blocks": None;
-    an integer caps it): it reads its S tile once, and M / 64 row blocks multiply it. H200, session 28, scratch
-    kernels in bf16 (BENCHMARKS.md; ms, cuBLAS in brackets): 180 blocks 0.084 (0.107) against 0.125 with one row
-    block per program, 252 blocks 0.351 (0.474) against 0.643. Up to BLOCK_M blocks the two are one launch (60
-    blocks: 0.0137 and 0.0158 ms in the two scratch forms, cuBLAS 0.0226). Provisional: nothing between 64 and 180
-    blocks was timed, nor the small F of the normalizer sums z (F = B*heads*D: tens of F tiles). Over "whole_k"
-    blocks a program takes one row block and walks K in "block_k" steps: a plain tile GEMM, which the scratch timed
-    at cuBLAS' speed (64 x 128 x 32: 0.101 vs 0.107 ms at 180 blocks). A whole fp32 S tile of over 128 rows takes
-    one stage: at 256 rows two stages of mix rows beside it need 294,912 bytes of shared memory (sm_90 compile,
-    `resources.py`), over the H200's 232,448.
-    """
+    an integer caps it): it reads its S tile once, and M / 64 row blocks multiply it. Over "whole_k" blocks a program
+    takes one row block and walks K in "block_k" steps: a plain tile GEMM, at cuBLAS' speed or below (where
+    `mix_blocks` takes cuBLAS)."""
     cfg = CONFIG["mix"]
     block_m = max(16, min(cfg["block_m"], _pow2(m)))
     whole_k = m <= cfg["whole_k"]
     block_k = max(16, _pow2(m)) if whole_k else cfg["block_k"]
     row_blocks = (cfg["row_blocks"] or triton.cdiv(m, block_m)) if whole_k else 1
-    return row_blocks * block_m, dict(
-        BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=block_k, WHOLE_K=whole_k, num_warps=cfg["num_warps"],
-        num_stages=1 if fp32 and block_k > 128 else cfg["num_stages"])
+    return row_blocks * block_m, dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=block_k, WHOLE_K=whole_k,
+                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _mix_operand(mix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """mix in the type S multiplies in, zero-padded to a multiple of 16 columns: its row loads, masked at that width,
-    vectorize (masked at 180 or 252 they were 2-byte loads in bf16, 4-byte in fp32), and the backward's mix^T view
-    becomes the same contiguous operand (read through its strides it took 255 registers and spilled at 180 and 252
-    blocks; sm_90 compiles, `resources.py`). An (M x M) copy, as cuBLAS' mix.to(s.dtype) made; written into a fresh
-    buffer, as torch's pad and .to() hand mix^T back in its own strides where there is nothing to pad or convert."""
+    vectorize (masked at 180 or 252 they were 2-byte loads in bf16), and the backward's mix^T view becomes the same
+    contiguous operand (read through its strides it took 255 registers and spilled at 180 and 252 blocks; sm_90
+    compiles, `resources.py`). An (M x M) copy, as cuBLAS' mix.to(s.dtype) made; written into a fresh buffer, as
+    torch's pad and .to() hand mix^T back in its own strides where there is nothing to pad or convert."""
     m = mix.shape[0]
     out = mix.new_zeros((m, triton.cdiv(m, 16) * 16), dtype=dtype)
     out[:, :m] = mix.detach()
     return out
 
 
+def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """sum_b mix[i, b] s[b] by `_mix_kernel`, in s's type (fp32 accumulate)."""
+    flat = s.flatten(1)
+    m = s.shape[0]
+    a = _mix_operand(mix, s.dtype)
+    out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
+    rows, launch = _mix_launch(m)
+    _mix_kernel[(triton.cdiv(flat.shape[1], launch["BLOCK_F"]), triton.cdiv(m, rows))](
+        a, flat, out, m, flat.shape[1], rows, a.stride(0), flat.stride(0), flat.stride(1), **launch)
+    return out.view(s.shape)
+
+
+def mixes_with_kernel(s: torch.Tensor) -> bool:
+    """Whether `mix_blocks` takes `_mix_kernel`: for bf16 summaries (fp16 inputs keep fp32 S; z is fp32) at block
+    counts where cuBLAS' mix rows are not 16-byte aligned (M no multiple of 8) or M <= 32. H200, bf16 S, CUDA-graph
+    replay, us, cuBLAS -> kernel (BENCHMARKS.md, session 29): M = 16: 8.1 -> 5.3, 30: 11.6 -> 7.3, 60: 24.1 -> 20.4,
+    121: 91.1 -> 50.4, 180: 109.0 -> 87.3, 252: 474 -> 337; but 64: 7.3 -> 9.3, 120: 94.0 -> 117, 256 (F = 24,576):
+    9.7 -> 18.4, 512: 10.4 -> 23.6, and fp32 z at every M (3.2-12.6 us against 3.8-35)."""
+    m = s.shape[0]
+    return s.dtype == torch.bfloat16 and (m <= 32 or m % 8 != 0)
+
+
 @contextlib.contextmanager
-def _plain_fp32():
-    """cuBLAS' SGEMM without TF32, for fp32 inputs: the mixing kernel's IEEE fp32 product runs on FMA units, and its
-    whole S tile then spills (sm_90 compile: a 20,000-byte stack at 130 and 252 blocks). Flips torch's process-wide
-    flag for the call (restored after), as torch offers no per-call switch (recipes may set TF32 on globally)."""
+def _tf32(enabled: bool):
+    """fp32 GEMMs in TF32 for 16-bit inputs: mixing is compute-bound in plain fp32 at large M.
+
+    Flips torch's process-wide flag for the duration (restored after), as torch offers no per-call switch.
+    """
     previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
     try:
         yield
     finally:
@@ -738,28 +752,19 @@ def _plain_fp32():
 
 def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum_b mix[i, b] s[b]: block-major s makes this one GEMM, (M x M) @ (M x rest), in s's type (fp32
-    accumulate; fp32 s in TF32 for 16-bit inputs): `_mix_kernel`, or cuBLAS in plain fp32 for fp32 inputs.
+    accumulate; fp32 s in TF32 for 16-bit inputs): `_mix_kernel` where it measured faster (`mixes_with_kernel`),
+    else cuBLAS.
 
     The layout is the point: with (B*heads, M, ...) summaries it was a batched GEMM of B*heads (M x M) @
     (M x D*Dv) products, which cuBLAS ran at ~1.7 TB/s whatever the type (H200, Wan 480p: 28 us for fp32 and
-    for bf16). cuBLAS' one GEMM then ran at 4x its byte floor at the model's block counts (`_mix_launch`).
-    `mix` is detached (gradients reach it through the custom op's backward): torch.matmul with a grad-requiring
-    2-D operand and a batched one folds into a copy of s, grad mode or not.
+    for bf16). cuBLAS' one GEMM then ran at 4x its byte floor at the model's block counts (180, 252). `mix` is
+    detached (gradients reach it through the custom op's backward): torch.matmul with a grad-requiring 2-D operand
+    and a batched one folds into a copy of s, grad mode or not.
     """
-    flat = s.flatten(1)
-    precision = _dot_types(dtype)[1]
-    if precision == "ieee":
-        with _plain_fp32():
-            return torch.mm(mix.detach().to(s.dtype), flat).view(s.shape)
-    m = s.shape[0]
-    a = _mix_operand(mix, s.dtype)
-    out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
-    rows, launch = _mix_launch(m, s.dtype == torch.float32)
-    _mix_kernel[(triton.cdiv(flat.shape[1], launch["BLOCK_F"]), triton.cdiv(m, rows))](
-        a, flat, out, m, flat.shape[1], rows, a.stride(0), flat.stride(0), flat.stride(1), PRECISION=precision,
-        **launch,
-    )
-    return out.view(s.shape)
+    if mixes_with_kernel(s):
+        return mix_with_kernel(mix, s)
+    with _tf32(dtype != torch.float32):
+        return torch.mm(mix.detach().to(s.dtype), s.flatten(1)).view(s.shape)
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -72,12 +72,9 @@ KERNELS = {
                    DIT_BLOCK_TOKENS),
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),
-    # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) at the 14B model's 252 blocks, forward
-    # and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand):
-    # bf16 S, and fp32 S in TF32 (normalizer sums z, a slice's partial S)
-    "mix bf16": (mhla._mix_kernel, "mix", dict(PRECISION="tf32", mix_ptr="*bf16")),
-    "mix fp32 tf32": (mhla._mix_kernel, "mix",
-                      dict(PRECISION="tf32", mix_ptr="*fp32", s_ptr="*fp32", out_ptr="*fp32")),
+    # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) on bf16 S at the 14B model's 252 blocks,
+    # forward and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand)
+    "mix bf16": (mhla._mix_kernel, "mix", dict(mix_ptr="*bf16")),
 }
 # Blocks and S columns (B*heads*D*Dv) of the mixing rows: Wan2.1-14B 720p in its "auto" cut (3, 7, 12), B = 1.
 MIX_BLOCKS, MIX_COLUMNS = 252, 40 * 128 * 128
@@ -136,7 +133,7 @@ def usage(compiled) -> dict:
 def _mix_row(constexprs: dict) -> tuple[dict, dict]:
     """Arguments and launch options of a mixing row: `mhla._mix_launch` at MIX_BLOCKS, mix as `mhla._mix_operand`
     lays it out (zero-padded to 16 columns) and contiguous S, specialized as the JIT specializes them."""
-    rows, launch = mhla._mix_launch(MIX_BLOCKS, constexprs.get("s_ptr") == "*fp32")
+    rows, launch = mhla._mix_launch(MIX_BLOCKS)
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
     sizes = dict(M=MIX_BLOCKS, F=MIX_COLUMNS, ROWS=rows, MP=triton.cdiv(MIX_BLOCKS, 16) * 16, ssb=MIX_COLUMNS,
                  ssf=1)

@@ -205,10 +205,10 @@ def overriding(cfg: dict, **values):
 
 
 def mix_case():
-    """`mhla.mix_blocks` for fp16 inputs (the kernel; fp32 inputs take cuBLAS) at 1 to 300 blocks in each tiling (a
-    program's S tile against all rows or one row block; over 256 blocks the K loop), with mix and the backward's
-    strided mix^T, on fp32 S (F a multiple of the 128-column tile) and z (F no multiple of it), against the fp64
-    product. The GPU multiplies them in TF32, which the interpreter computes in IEEE fp32 (np.matmul)."""
+    """The mixing kernel (`mhla.mix_with_kernel`; the op takes it for bf16 summaries, whose products the interpreter
+    computes unreliably) at 1 to 300 blocks in each tiling (a program's S tile against all rows or one row block;
+    over 256 blocks the K loop), with mix and the backward's strided mix^T, on fp32 S (F a multiple of the column
+    tile) and z (F no multiple of it), against the fp64 product. The interpreter multiplies them in IEEE fp32."""
     gen = torch.Generator().manual_seed(7)
     errors = {}
     for m in (1, 2, 7, 16, 60, 130, 256, 300):  # 16, 256: multiples of 16, where mix needs no padding
@@ -220,7 +220,7 @@ def mix_case():
                 for mat_name, mat in (("mix", mix), ("mix^T", mix.t())):
                     for name, x in summaries.items():
                         ref = torch.einsum("ij,j...->i...", mat.double(), x.double())
-                        errors[f"M={m} {tiling} {mat_name} {name}"] = rel(mhla.mix_blocks(mat, x, torch.float16), ref)
+                        errors[f"M={m} {tiling} {mat_name} {name}"] = rel(mhla.mix_with_kernel(mat, x), ref)
     return errors
 
 

@@ -193,7 +193,7 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim (72, no multiple
     of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they were scalar 2-byte
     loads without async copies (the JIT marks only multiples of 16). The mixing GEMM holds a 256-row S tile (the 14B
-    model's 252 blocks) in bf16 and in fp32 without spilling and fits in shared memory."""
+    model's 252 blocks) in bf16 without spilling and fits in shared memory."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -212,10 +212,10 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
-    for name in ("mix bf16", "mix fp32 tf32"):  # a program's whole 256-row S tile: 16-byte loads (no 2-byte mix
-        row = rows[name]  # loads either), no spill, and within the H200's 232,448 bytes of shared memory per program
-        assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
-        assert int(row["smem B"]) <= 232448, row
+    row = rows["mix bf16"]  # a program's whole 256-row S tile: 16-byte loads (no 2-byte mix loads either), no
+    # spill, and within the H200's 232,448 bytes of shared memory per program
+    assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
+    assert int(row["smem B"]) <= 232448, row
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
 
 
@@ -262,12 +262,11 @@ def test_short_block_overrides_apply_where_they_were_measured():
 
 @pytest.mark.parametrize("m", [6, 16])  # 16: no padding to add, which torch's pad and .to() did in mix^T's strides
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, dtype, m, monkeypatch):
+def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, m, monkeypatch):
     """The mixing kernel gets the summaries as a view (torch.matmul folded a grad-requiring 2-D operand with batched
     summaries into copies of them, even under no_grad), and mix, a model's Parameter or the backward's mix^T view,
-    as one small contiguous copy in the summaries' type, zero-padded to 16 columns; fp32 summaries multiply in TF32
-    for 16-bit inputs. The launch is recorded, not run (its values: kernels_interp.py, "mixing kernel")."""
+    as one small contiguous copy in the summaries' type, zero-padded to 16 columns. The launch is recorded, not run
+    (its values: kernels_interp.py, "mixing kernel")."""
     from torch.profiler import ProfilerActivity, profile
 
     from mhla_diffusion.kernels import mhla
@@ -281,9 +280,9 @@ def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, dt
     monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
     mix = torch.nn.Parameter(torch.rand(m, m))
     mat = mix.t() if transposed else mix
-    s = torch.randn(m, 4, 8, 8, dtype=mhla.state_dtype(dtype))  # (M, B*heads, D, Dv)
+    s = torch.randn(m, 4, 8, 8, dtype=torch.bfloat16)  # (M, B*heads, D, Dv)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        out = mhla.mix_blocks(mat, s, dtype)
+        out = mhla.mix_blocks(mat, s, torch.bfloat16)
     copies = {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy", "aten::mm", "aten::bmm"}
     shapes = [shape for event in prof.events() if event.name in copies for shape in event.input_shapes]
     assert all(math.prod(shape) <= m * 16 for shape in shapes), shapes  # nothing the size of the summaries
@@ -292,12 +291,47 @@ def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, dt
     assert padded.dtype == s.dtype and padded.shape == (m, 16) and padded.stride() == (16, 1) and args[6] == 16
     assert torch.equal(padded[:, :m], mat.detach().to(s.dtype)) and not padded[:, m:].any()
     assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (m, 4 * 8 * 8)
-    assert kwargs["PRECISION"] == "tf32" and out.shape == s.shape and out.dtype == s.dtype
+    assert out.shape == s.shape and out.dtype == s.dtype
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
+def test_mixing_takes_the_kernel_where_it_measured_faster_and_cublas_elsewhere(transposed, monkeypatch):
+    """bf16 summaries at the block counts where the kernel beat cuBLAS on an H200 (a converted Wan's 180 and 252
+    among them) take the kernel; at multiples of 8 over 32 blocks, and for fp32 summaries (fp16 inputs' S, every
+    z) at any count, cuBLAS: one GEMM on the summaries as they are, in TF32 for 16-bit inputs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mhla_diffusion.kernels import mhla
+
+    kernel_at = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda mix, flat, *args, **kwargs: kernel_at.append((flat.dtype, flat.shape[0]))
+
+    monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
+    seen, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: seen.append((b.dtype, b.shape[0],
+                                                                torch.backends.cuda.matmul.allow_tf32)) or mm(a, b))
+    cases = [(torch.bfloat16, torch.bfloat16, m) for m in (16, 30, 60, 121, 180, 252, 300, 64, 120, 256, 512)]
+    cases += [(dtype, torch.float32, m) for dtype in (torch.float16, torch.bfloat16) for m in (16, 180, 252)]
+    for dtype, state, m in cases:
+        mix = torch.nn.Parameter(torch.rand(m, m))
+        s = torch.randn(m, 2, 4, dtype=state)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = mhla.mix_blocks(mix.t() if transposed else mix, s, dtype)
+        if state == torch.float32 or (m > 32 and m % 8 == 0):
+            assert not {e.name for e in prof.events()} & {"aten::bmm", "aten::clone", "aten::contiguous"}
+            ref = torch.einsum("ij,jbd->ibd", (mix.t() if transposed else mix).detach().double(), s.double())
+            assert out.dtype == state and ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert kernel_at == [(torch.bfloat16, m) for m in (16, 30, 60, 121, 180, 252, 300)]
+    assert seen == [(torch.bfloat16, m, True) for m in (64, 120, 256, 512)] + [
+        (torch.float32, m, True) for _ in (0, 1) for m in (16, 180, 252)]
 
 
 def test_fp32_inputs_mix_in_plain_fp32_whatever_the_global_tf32_flag(monkeypatch):
-    """fp32 inputs mix through cuBLAS with TF32 off for the call (the kernel's IEEE fp32 product spills), also where a
-    recipe turned TF32 on for the process; the flag is restored after, and the mixing kernel is not launched."""
+    """fp32 inputs mix through cuBLAS with TF32 off for the call, also where a recipe turned TF32 on for the process;
+    the flag is restored after, and the mixing kernel is not launched."""
     from mhla_diffusion.kernels import mhla
 
     seen, mm = [], torch.mm
