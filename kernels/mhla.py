@@ -411,30 +411,22 @@ def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols):
 
 @triton.jit
 def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, MP, ssb, ssf,
-                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, MP) mix in s's type, zero beyond column M, MP a multiple of 16 that
     lets its row loads vectorize; (M, F) s, contiguous (M, F) out) for the BLOCK_F columns of grid axis 0 and the
-    ROWS rows of axis 1, fp32 accumulate (bf16 s in the op; fp32 s multiplies in TF32). WHOLE_K (M <= BLOCK_K): the (M x BLOCK_F) tile of s is loaded once and
-    each BLOCK_M row block is one product against it; else each row block walks K in BLOCK_K steps. Row offsets into
-    s and out are int64: M * F passes 2^31 for long videos."""
+    ROWS rows of axis 1, fp32 accumulate (bf16 s in the op; fp32 s multiplies in TF32). The (M x BLOCK_F) tile of s
+    (M <= BLOCK_K) is loaded once and each BLOCK_M row block is one product against it. Row offsets into s and out
+    are int64: M * F passes 2^31 for long videos."""
     pid_f, pid_r = tl.program_id(0), tl.program_id(1)
     f = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask_f = f < F
     k = tl.arange(0, BLOCK_K)
-    if WHOLE_K:
-        s = _tile(s_ptr, k.to(tl.int64), ssb, k < M, f, ssf, mask_f)
+    s = _tile(s_ptr, k.to(tl.int64), ssb, k < M, f, ssf, mask_f)
     r0 = pid_r * ROWS
     for r in range(r0, tl.minimum(r0 + ROWS, M), BLOCK_M):
         i = r + tl.arange(0, BLOCK_M)
         mask_i = i < M
-        if WHOLE_K:
-            acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, k, 1, k < MP), s)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
-            for k0 in range(0, M, BLOCK_K):
-                kk = k0 + k
-                acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, kk, 1, kk < MP),
-                             _tile(s_ptr, kk.to(tl.int64), ssb, kk < M, f, ssf, mask_f), acc)
+        acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, k, 1, k < MP), s)
         tl.store(out_ptr + i.to(tl.int64)[:, None] * F + f[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_i[:, None] & mask_f[None, :])
 
@@ -497,16 +489,17 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md); "programs"
 # is how many programs to aim for (tokens per program follow from it); "maxnreg" caps registers per
 # thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_launch`): 64-row blocks against 64-column S tiles
-# on 4 warps; a program holds the S tile of up to "whole_k" blocks, more walk K in "block_k" steps. H200, session 29
-# sweep (BENCHMARKS.md), bf16 S, us, 128 -> 64 columns: 180 blocks 92.0 -> 87.3, 252: 361.7 -> 337.2, 121: 50.2 ->
-# 50.4, 60: 18.8 -> 20.4; one row block per program (row_blocks 1) was slower everywhere over 64 blocks (180: 136).
+# on 4 warps; a program holds the S tile of up to "max_blocks" blocks (more take cuBLAS: `mixes_with_kernel`). H200,
+# session 29 sweep (BENCHMARKS.md), bf16 S, us, 128 -> 64 columns: 180 blocks 92.0 -> 87.3, 252: 361.7 -> 337.2,
+# 121: 50.2 -> 50.4, 60: 18.8 -> 20.4; one row block per program (row_blocks 1) was slower everywhere over 64 blocks
+# (180: 146.2). A K loop (64 x 128 tiles, 64-row steps, 3 stages) beat it at 180 blocks (81.3) and SANA 4K's 121
+# (16.9 vs 18.6) and lost elsewhere; it is not in the kernel (kernels/NOTES.md, session 29).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
-    "mix": {"block_m": 64, "block_f": 64, "whole_k": 256, "block_k": 32, "row_blocks": None, "num_warps": 4,
-            "num_stages": 2},
+    "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "row_blocks": None, "num_warps": 4, "num_stages": 2},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
 # memory per token tile than the plain kernel).
@@ -687,29 +680,24 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _mix_launch(m: int) -> tuple[int, dict]:
-    """Rows per program and the launch arguments of `_mix_kernel` at M blocks, from CONFIG["mix"].
-
-    Where the whole K fits one step (M <= "whole_k"), a program takes all M rows of its F tile ("row_blocks": None;
-    an integer caps it): it reads its S tile once, and M / 64 row blocks multiply it. Over "whole_k" blocks a program
-    takes one row block and walks K in "block_k" steps: a plain tile GEMM, at cuBLAS' speed or below (where
-    `mix_blocks` takes cuBLAS)."""
+    """Rows per program and the launch arguments of `_mix_kernel` at M <= CONFIG["mix"]["max_blocks"] blocks: a
+    program takes all M rows of its F tile ("row_blocks": None; an integer caps it), so it reads its S tile once
+    and M / 64 row blocks multiply it."""
     cfg = CONFIG["mix"]
     block_m = max(16, min(cfg["block_m"], _pow2(m)))
-    whole_k = m <= cfg["whole_k"]
-    block_k = max(16, _pow2(m)) if whole_k else cfg["block_k"]
-    row_blocks = (cfg["row_blocks"] or triton.cdiv(m, block_m)) if whole_k else 1
-    return row_blocks * block_m, dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=block_k, WHOLE_K=whole_k,
+    row_blocks = cfg["row_blocks"] or triton.cdiv(m, block_m)
+    return row_blocks * block_m, dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=max(16, _pow2(m)),
                                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _mix_operand(mix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """mix in the type S multiplies in, zero-padded to a multiple of 16 columns: its row loads, masked at that width,
     vectorize (masked at 180 or 252 they were 2-byte loads in bf16), and the backward's mix^T view becomes the same
     contiguous operand (read through its strides it took 255 registers and spilled at 180 and 252 blocks; sm_90
     compiles, `resources.py`). An (M x M) copy, as cuBLAS' mix.to(s.dtype) made; written into a fresh buffer, as
     torch's pad and .to() hand mix^T back in its own strides where there is nothing to pad or convert."""
     m = mix.shape[0]
-    out = mix.new_zeros((m, triton.cdiv(m, 16) * 16), dtype=dtype)
+    out = torch.zeros((m, triton.cdiv(m, 16) * 16), device=device, dtype=dtype)
     out[:, :m] = mix.detach()
     return out
 
@@ -718,7 +706,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """sum_b mix[i, b] s[b] by `_mix_kernel`, in s's type (fp32 accumulate)."""
     flat = s.flatten(1)
     m = s.shape[0]
-    a = _mix_operand(mix, s.dtype)
+    a = _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
     rows, launch = _mix_launch(m)
     _mix_kernel[(triton.cdiv(flat.shape[1], launch["BLOCK_F"]), triton.cdiv(m, rows))](
@@ -727,13 +715,14 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def mixes_with_kernel(s: torch.Tensor) -> bool:
-    """Whether `mix_blocks` takes `_mix_kernel`: for bf16 summaries (fp16 inputs keep fp32 S; z is fp32) at block
-    counts where cuBLAS' mix rows are not 16-byte aligned (M no multiple of 8) or M <= 32. H200, bf16 S, CUDA-graph
-    replay, us, cuBLAS -> kernel (BENCHMARKS.md, session 29): M = 16: 8.1 -> 5.3, 30: 11.6 -> 7.3, 60: 24.1 -> 20.4,
-    121: 91.1 -> 50.4, 180: 109.0 -> 87.3, 252: 474 -> 337; but 64: 7.3 -> 9.3, 120: 94.0 -> 117, 256 (F = 24,576):
-    9.7 -> 18.4, 512: 10.4 -> 23.6, and fp32 z at every M (3.2-12.6 us against 3.8-35)."""
+    """Whether `mix_blocks` takes `_mix_kernel`: for bf16 summaries (fp16 inputs keep fp32 S; z is fp32) at up to
+    CONFIG["mix"]["max_blocks"] blocks that are no multiple of 8, or up to 32. H200, bf16 S, CUDA-graph replay, us,
+    cuBLAS -> kernel (BENCHMARKS.md, session 29): M = 16: 8.1 -> 5.3, 30: 11.6 -> 7.3, 60: 24.1 -> 20.4, 121: 91.1
+    -> 50.4, 180: 109.0 -> 87.3, 252: 474 -> 337; but 64: 7.3 -> 9.3, 120: 94.0 -> 117, 256 (F = 24,576): 9.7 ->
+    18.4, and fp32 z at all but 16 blocks (cuBLAS 3.2-12.6 us, the kernel's best 3.8-21.7; 16: 4.7 vs 3.8). Not
+    timed: 8 and 24 blocks (taken with 16 and 30), and over 256 (cuBLAS, which won at 512: 10.4 vs 17.4)."""
     m = s.shape[0]
-    return s.dtype == torch.bfloat16 and (m <= 32 or m % 8 != 0)
+    return s.dtype == torch.bfloat16 and m <= CONFIG["mix"]["max_blocks"] and (m <= 32 or m % 8 != 0)
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ shared memory, and counts of the SASS instructions that decide speed: tensor-cor
 the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and scalar 16-bit global loads,
 local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
 Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
-per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's rows (`mhla.CONFIG["mix"]`)
-are at the 14B model's 252 blocks, where a program holds its whole 256-row S tile.
+per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's row (`mhla.CONFIG["mix"]`) is
+at the 14B model's 252 blocks, where a program holds its whole 256-row S tile.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from triton.compiler import ASTSource
 from . import mhla
 
 HOPPER = GPUTarget("cuda", 90, 32)
-# Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars, mixing matrix). Summaries S, S~
-# (state_dtype) and, since op._table, RoPE tables are bf16 for bf16 inputs.
-FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "mix_ptr", "xs_ptr", "qs_ptr"}
+# Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
+# mixing matrix as the mixing kernel gets it and, since op._table, RoPE tables are bf16 for bf16 inputs.
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr"}
 # Flags a row leaves off: the RMSNorms applied on the way (`ops.norms`) are off unless a row turns them on.
 OFF = dict(NORM_X=False, NORM_Q=False, OUT_NORM=False)
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
@@ -74,9 +74,9 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),
     # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) on bf16 S at the 14B model's 252 blocks,
     # forward and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand)
-    "mix bf16": (mhla._mix_kernel, "mix", dict(mix_ptr="*bf16")),
+    "mix bf16": (mhla._mix_kernel, "mix", {}),
 }
-# Blocks and S columns (B*heads*D*Dv) of the mixing rows: Wan2.1-14B 720p in its "auto" cut (3, 7, 12), B = 1.
+# Blocks and S columns (B*heads*D*Dv) of the mixing row: Wan2.1-14B 720p in its "auto" cut (3, 7, 12), B = 1.
 MIX_BLOCKS, MIX_COLUMNS = 252, 40 * 128 * 128
 
 
@@ -91,14 +91,9 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict):
     """The kernel compiled for sm_90 with `constexprs` fixed and the other arguments typed as a call passes them.
 
     A value given for an integer the kernel does not declare constexpr (a stride, a head dim) is specialized as the
-    JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown. A
-    pointer given a type ("*fp32") gets it; others are fp32 if in FP32_POINTERS, else bf16."""
+    JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown."""
     signature, fixed, attrs = {}, {}, {}
     for i, (arg, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        if arg.endswith("_ptr"):
-            signature[arg] = constexprs.get(arg, "*fp32" if arg in FP32_POINTERS else "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-            continue
         if arg in constexprs and (param.is_constexpr or constexprs[arg] == 1):
             signature[arg], fixed[(i,)] = "constexpr", constexprs[arg]
             continue
@@ -107,8 +102,11 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict):
             if constexprs[arg] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
             continue
-        signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
-        if DIVISIBLE.match(arg):
+        if arg.endswith("_ptr"):
+            signature[arg] = "*fp32" if arg in FP32_POINTERS else "*bf16"
+        else:
+            signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
+        if arg.endswith("_ptr") or DIVISIBLE.match(arg):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, fixed, attrs), target=HOPPER, options=options)
 
@@ -131,7 +129,7 @@ def usage(compiled) -> dict:
 
 
 def _mix_row(constexprs: dict) -> tuple[dict, dict]:
-    """Arguments and launch options of a mixing row: `mhla._mix_launch` at MIX_BLOCKS, mix as `mhla._mix_operand`
+    """Arguments and launch options of the mixing row: `mhla._mix_launch` at MIX_BLOCKS, mix as `mhla._mix_operand`
     lays it out (zero-padded to 16 columns) and contiguous S, specialized as the JIT specializes them."""
     rows, launch = mhla._mix_launch(MIX_BLOCKS)
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
@@ -141,7 +139,7 @@ def _mix_row(constexprs: dict) -> tuple[dict, dict]:
 
 
 def report() -> dict:
-    """Usage of each kernel in KERNELS at the bf16 128 x 128 configuration its block length gets (the mixing rows:
+    """Usage of each kernel in KERNELS at the bf16 128 x 128 configuration its block length gets (the mixing row:
     `_mix_row`)."""
     rows = {}
     for name, (kernel, entry, constexprs, *block_tokens) in KERNELS.items():
