@@ -129,10 +129,15 @@ def _state_row(m, bh):
 
 
 @triton.jit
+def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols):
+    """A masked (rows x cols) tile in the pointer's own type (zeros outside)."""
+    return tl.load(ptr + rows[:, None] * s_rows + cols[None, :] * s_cols, mask=mask_rows[:, None] & mask_cols[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1):
-    return tl.load(ptr + n[:, None] * sn + d[None, :] * sd, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(
-        tl.float32
-    )
+    return _tile(ptr, n, sn, mask_n, d, sd, mask_d).to(tl.float32)
 
 
 @triton.jit
@@ -400,13 +405,6 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
         b = tl.load(b_ptr + j[:, None].to(tl.int64) * F + kk[None, :], mask=(j < M)[:, None] & mk[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
     tl.atomic_add(out_ptr + i[:, None] * M + j[None, :], acc, mask=(i < M)[:, None] & (j < M)[None, :])
-
-
-@triton.jit
-def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols):
-    """A masked (rows x cols) tile in the pointer's own type (zeros outside)."""
-    return tl.load(ptr + rows[:, None] * s_rows + cols[None, :] * s_cols, mask=mask_rows[:, None] & mask_cols[None, :],
-                   other=0.0)
 
 
 @triton.jit
