@@ -260,6 +260,21 @@ def test_short_block_overrides_apply_where_they_were_measured():
                                                                                   rope=True)
 
 
+def _record_mix_launches(monkeypatch) -> list:
+    """`mhla._mix_kernel` replaced by a recorder: each launch's (args, kwargs) is appended to the list returned, and
+    nothing runs."""
+    from mhla_diffusion.kernels import mhla
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
+    return launches
+
+
 @pytest.mark.parametrize("m", [6, 16])  # 16: no padding to add, which torch's pad and .to() did in mix^T's strides
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
 def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, m, monkeypatch):
@@ -271,13 +286,7 @@ def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, m,
 
     from mhla_diffusion.kernels import mhla
 
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
-
-    monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
+    launches = _record_mix_launches(monkeypatch)
     mix = torch.nn.Parameter(torch.rand(m, m))
     mat = mix.t() if transposed else mix
     s = torch.randn(m, 4, 8, 8, dtype=torch.bfloat16)  # (M, B*heads, D, Dv)
@@ -303,13 +312,7 @@ def test_mixing_takes_the_kernel_where_it_measured_faster_and_cublas_elsewhere(t
 
     from mhla_diffusion.kernels import mhla
 
-    kernel_at = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda mix, flat, *args, **kwargs: kernel_at.append((flat.dtype, flat.shape[0]))
-
-    monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
+    launches = _record_mix_launches(monkeypatch)
     seen, mm = [], torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: seen.append((b.dtype, b.shape[0],
                                                                 torch.backends.cuda.matmul.allow_tf32)) or mm(a, b))
@@ -324,7 +327,8 @@ def test_mixing_takes_the_kernel_where_it_measured_faster_and_cublas_elsewhere(t
             assert not {e.name for e in prof.events()} & {"aten::bmm", "aten::clone", "aten::contiguous"}
             ref = torch.einsum("ij,jbd->ibd", (mix.t() if transposed else mix).detach().double(), s.double())
             assert out.dtype == state and ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-    assert kernel_at == [(torch.bfloat16, m) for m in (16, 30, 60, 121, 180, 252)]
+    assert [(args[1].dtype, args[1].shape[0]) for args, _ in launches] == [(torch.bfloat16, m) for m in
+                                                                           (16, 30, 60, 121, 180, 252)]
     assert seen == [(torch.bfloat16, m, True) for m in (64, 120, 256, 300, 512)] + [
         (torch.float32, m, True) for _ in (0, 1) for m in (16, 180, 252)]
 
