@@ -12,14 +12,13 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import threading
 from pathlib import Path
 
 import torch
 
 from .config import MHLAConfig
 from .conversion import CONFIG_KEY
+from .interrupts import terminate_as_interrupt
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -194,23 +193,6 @@ def from_pretrained(path, torch_dtype=None, **kwargs):
         return diffusers.DiffusionPipeline.from_pretrained(path, dtype=dtype, **{**models, **kwargs})
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt meanwhile (main thread only), so cleanup runs as for Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def save_atomically(save, dst, overwrite: bool = False) -> None:
     """Run `save(dir)` into a temporary dir beside `dst`, then rename it into place.
 
@@ -232,7 +214,7 @@ def save_atomically(save, dst, overwrite: bool = False) -> None:
         raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it (the whole dir), or choose another DST")
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with _terminate_as_interrupt():
+        with terminate_as_interrupt():
             try:
                 save(partial)
             except SafetensorError as err:  # e.g. a full disk, raised by safetensors' writer

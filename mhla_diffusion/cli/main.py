@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from ..interrupts import terminate_as_interrupt
+
 # Each module registers its sub-commands: register(subparsers) -> None, handlers set `func`.
 COMMAND_MODULES = ["convert", "transfer", "info", "demo", "eval", "bench"]
 # What bad input raises (FileNotFoundError, NotADirectoryError, FileExistsError are OSErrors);
@@ -28,24 +30,25 @@ def debug_requested(flag: bool = False) -> bool:
 
 
 def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted") -> int:
-    """`call()`'s exit status; a user error becomes one line on stderr and 2, Ctrl-C the line
+    """`call()`'s exit status; a user error becomes one line on stderr and 2, Ctrl-C or SIGTERM the line
     `interrupted` and 130 (tracebacks when `debug`). Under a launcher only RANK 0 speaks: every
     process meets the same bad input, and N copies of the line would bury it."""
     speak = os.environ.get("RANK", "0") == "0"
-    try:
-        return call() or 0
-    except USER_ERRORS as err:
-        if debug:
-            raise
-        if speak:
-            print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        if speak:
-            print(f"{prog}: {interrupted}", file=sys.stderr)
-        return 130
+    with terminate_as_interrupt():  # SIGTERM too, and the message is printed before a second one lands
+        try:
+            return call() or 0
+        except USER_ERRORS as err:
+            if debug:
+                raise
+            if speak:
+                print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            if speak:
+                print(f"{prog}: {interrupted}", file=sys.stderr)
+            return 130
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -1,5 +1,5 @@
-"""How a recipe run ends: a user error as one line on stderr and exit 2, Ctrl-C as the command
-that resumes and exit 130, instead of tracebacks around the message.
+"""How a recipe run ends: a user error as one line on stderr and exit 2, Ctrl-C or SIGTERM as the
+command that resumes and exit 130, instead of tracebacks around the message.
 
 `--debug` (anywhere in the recipe's arguments) or MHLA_DEBUG=1 keeps the traceback; only the
 main process speaks (cli.main.report_errors).
