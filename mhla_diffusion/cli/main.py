@@ -29,10 +29,10 @@ def debug_requested(flag: bool = False) -> bool:
     return flag or os.environ.get("MHLA_DEBUG", "") not in ("", "0")
 
 
-def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted") -> int:
+def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted", interrupted_to=None) -> int:
     """`call()`'s exit status; a user error becomes one line on stderr and 2, Ctrl-C or SIGTERM the line
-    `interrupted` and 130 (tracebacks when `debug`). Under a launcher only RANK 0 speaks: every
-    process meets the same bad input, and N copies of the line would bury it."""
+    `interrupted` (on `interrupted_to`, stderr by default) and 130 (tracebacks when `debug`). Under a
+    launcher only RANK 0 speaks: every process meets the same bad input, and N copies of the line would bury it."""
     speak = os.environ.get("RANK", "0") == "0"
     with terminate_as_interrupt():  # SIGTERM too, and the message is printed before a second one lands
         try:
@@ -47,7 +47,7 @@ def report_errors(call, prog: str, debug: bool, interrupted: str = "interrupted"
             if debug:
                 raise
             if speak:
-                print(f"{prog}: {interrupted}", file=sys.stderr)
+                print(f"{prog}: {interrupted}", file=interrupted_to or sys.stderr, flush=True)
             return 130
 
 

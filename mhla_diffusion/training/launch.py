@@ -1,5 +1,5 @@
 """How a recipe run ends: a user error as one line on stderr and exit 2, Ctrl-C or SIGTERM as the
-command that resumes and exit 130, instead of tracebacks around the message.
+command that resumes (on stdout) and exit 130, instead of tracebacks around the message.
 
 `--debug` (anywhere in the recipe's arguments) or MHLA_DEBUG=1 keeps the traceback; only the
 main process speaks (cli.main.report_errors).
@@ -49,4 +49,6 @@ def run_recipe(main, resumable: bool = False, argv=None) -> int:
     debug = debug_requested("--debug" in argv)
     argv = [a for a in argv if a != "--debug"]
     interrupted = f"interrupted; continue with: {resume_command(script, argv)}" if resumable else "interrupted"
-    return report_errors(lambda: main(argv), os.path.basename(script), debug, interrupted)
+    # The resume line goes to stdout: accelerate launch 1.16 tees the child's stderr, and the chunk that
+    # reaches it with the Ctrl-C is lost in its interrupted read; stdout it leaves alone.
+    return report_errors(lambda: main(argv), os.path.basename(script), debug, interrupted, interrupted_to=sys.stdout)
