@@ -34,10 +34,9 @@ def terminate_as_interrupt():
         return
     taken = [signal.SIGTERM] + [signal.SIGINT] * (signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     previous = {sig: signal.signal(sig, _interrupt) for sig in taken}
-    _stopping = False
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _stopping = False
+        _stopping = False  # for the next command in this process
