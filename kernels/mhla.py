@@ -141,14 +141,25 @@ def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1):
 
 
 @triton.jit
-def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw_ptr, n, mask_n, d, mask_d,
+def _norm_weight(w_ptr, d, mask_d, NORM: tl.constexpr):
+    """The head's RMSNorm weights over the tile's columns in fp32 (zeros without NORM), loaded once per program
+    before its token loop: loaded inside `_features`, the output kernel kept them live in 33 more registers."""
+    if NORM:
+        w = tl.load(w_ptr + d, mask=mask_d, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros(d.shape, tl.float32)
+    return w
+
+
+@triton.jit
+def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d,
               BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
     """phi(x) (zero outside the tile), and the rotated features used in numerators. With NORM, x is first
-    RMSNormed across heads: x * rstd[n] * w[d] (the per-token rstd from `_rstd_kernel`, the head's weights)."""
+    RMSNormed across heads: x * rstd[n] * xw[d] (the per-token rstd from `_rstd_kernel`, the head's weights from
+    `_norm_weight`)."""
     x = _load_rows(x_ptr, n, sxn, mask_n, d, mask_d)
     if NORM:
-        x = (x * tl.load(xs_ptr + n, mask=mask_n, other=0.0)[:, None]
-             * tl.load(xw_ptr + d, mask=mask_d, other=0.0).to(tl.float32)[None, :])
+        x = x * tl.load(xs_ptr + n, mask=mask_n, other=0.0)[:, None] * xw[None, :]
     fx = _phi(x, ELU)  # relu of the masked loads' zeros is zero; elu + 1 of them is one:
     if ELU:
         fx = tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
@@ -194,13 +205,14 @@ def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr, qw_ptr, gain_ptr, sqn
     """o = rope(phi(q)) mat [/ (phi(q) . zt + eps)] for the tokens [r0, r1) (raster order inside the block) of one
     block whose mixed summary (mat, zt) the program holds: `_output_kernel`'s token loop. With OUT_NORM (the
     program holds the head's whole Dv), each row is then RMSNormed and scaled by the head's gain."""
+    qw = _norm_weight(qw_ptr, d, mask_d, NORM_Q)
     if OUT_NORM:
         gain = tl.load(gain_ptr + e, mask=mask_e, other=0.0).to(tl.float32)
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, qs_ptr, qw_ptr, n, mask_n, d, mask_d, BLOCK_N,
+        fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, qs_ptr, qw, n, mask_n, d, mask_d, BLOCK_N,
                            BLOCK_D, ELU, ROPE, NORM_Q)
         out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
         if NORMALIZE:
@@ -235,17 +247,17 @@ def _summary_kernel(
     cos_ptr = _head(cos_ptr, b, h, scb, sch)
     sin_ptr = _head(sin_ptr, b, h, scb, sch)
     xs_ptr = xs_ptr + b * N
-    xw_ptr = xw_ptr + h * D
     d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
+    xw = _norm_weight(xw_ptr + h * D, d, mask_d, NORM_X)
     acc = tl.zeros((BLOCK_D, BLOCK_DV), tl.float32)
     zacc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)  # z per token row, summed once at the end
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw_ptr, n, mask_n, d, mask_d, BLOCK_N,
+        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d, BLOCK_N,
                            BLOCK_D, ELU, ROPE, NORM_X)
         y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
         if SCALE_Y:
@@ -330,8 +342,8 @@ def _grad_kernel(
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, x_ptr, x_ptr, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, False)
+        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, x_ptr, vec, n, mask_n, d, mask_d, BLOCK_N,
+                           BLOCK_D, ELU, ROPE, False)  # no norm: the x_ptr and vec stand-ins go unused
         p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         for j in tl.static_range(DV_TILES):
             e = j * BLOCK_DV + e0
