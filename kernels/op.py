@@ -6,6 +6,8 @@ so that a context-parallel call can sum one rank's partial summaries over the ra
 differentiable all-reduce, whose backward sums the summaries' gradients the same way before the
 summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) with nothing between.
 Besides the inputs, the backward keeps only S and z. Gradients flow to q, k, v and mix; RoPE tables get none.
+A short sequence over its whole grid takes a third op instead, `mhla_parallel` (`parallel.py`: MHLA's quadratic
+form, one launch forward and two backward; its backward keeps its output and 1 / den per query).
 The ops take the call's block geometry, token slice and options flattened by `op_args` (torch.library
 schemas take ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
 """
@@ -16,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..blocks import block_geometry
-from . import mhla
+from . import mhla, parallel
 from .capabilities import FEATURES
 
 
@@ -126,6 +128,56 @@ def _(do, q, mix, s, z, *options):
     return q.new_empty(q.shape), mix.new_empty(mix.shape), s.new_empty(s.shape), z.new_empty(z.shape)
 
 
+@torch.library.custom_op("mhla_diffusion::mhla_parallel", mutates_args=())
+def mhla_parallel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+    geometry: list[int], normalize: bool, eps: float, feature: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, 1 / den per query) of a whole grid's queries in MHLA's quadratic form (`parallel.parallel_output`)."""
+    g, kw = _decode(q, v, geometry, normalize, eps, feature)
+    q, k, v = (_inner_contiguous(t) for t in (q, k, v))
+    return parallel.parallel_output(q, k, v, mix, g.grid, g.blocks, **kw)
+
+
+@mhla_parallel.register_fake
+def _(q, k, v, mix, geometry, normalize, *options):
+    b, n, heads, _ = q.shape
+    return q.new_empty((b, n, heads, v.shape[-1])), q.new_empty((b * heads, n) if normalize else (0,),
+                                                                dtype=torch.float32)
+
+
+@torch.library.custom_op("mhla_diffusion::mhla_parallel_bwd", mutates_args=())
+def mhla_parallel_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, o: torch.Tensor,
+    rden: torch.Tensor, geometry: list[int], normalize: bool, eps: float, feature: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, kw = _decode(q, v, geometry, normalize, eps, feature)
+    do, q, k, v = (_inner_contiguous(t) for t in (do.to(q.dtype), q, k, v))
+    dq, dk, dv, dmix = parallel.parallel_grad(do, q, k, v, mix, o, rden, g.grid, g.blocks, elu=kw["elu"],
+                                              normalize=normalize)
+    return dq, dk, dv, dmix.to(mix.dtype)
+
+
+@mhla_parallel_bwd.register_fake
+def _(do, q, k, v, mix, *options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), mix.new_empty(mix.shape)
+
+
+def _save_parallel_inputs(ctx, inputs, output):
+    q, k, v, mix, *options = inputs
+    ctx.save_for_backward(q, k, v, mix, *output)
+    ctx.options = options
+
+
+def _parallel_backward(ctx, do, _):
+    q, k, v, mix, o, rden = ctx.saved_tensors
+    dq, dk, dv, dmix = mhla_parallel_bwd(do, q, k, v, mix, o, rden, *ctx.options)
+    return dq, dk, dv, dmix, *(None for _ in ctx.options)
+
+
+mhla_parallel.register_autograd(_parallel_backward, setup_context=_save_parallel_inputs)
+
+
 def _forward_only(*norm_tensors) -> None:
     if any(t is not None for t in norm_tensors):
         raise RuntimeError("the Triton ops apply RMSNorms on the way in inference only; with gradients, apply them "
@@ -198,6 +250,15 @@ def kernel_tables(rope, dtype: torch.dtype):
     return (None, None) if rope is None else (_table(rope[0], dtype), _table(rope[1], dtype))
 
 
+def _takes_parallel_form(q, k, v, mix, geometry, rope, reduce, norms) -> bool:
+    """Whether a call is over the whole grid, without RoPE or norms on the way, at a length where the quadratic form
+    measured faster, with gradients wanted or not (`parallel.uses_parallel_form`)."""
+    if rope is not None or reduce is not None or norms is not None or q.shape[1] != geometry.num_tokens:
+        return False
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mix))
+    return parallel.uses_parallel_form(q.shape[1], q.dtype, wants_grad)
+
+
 def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None, norms=None):
     """The fused path behind `mhla_attention(..., backend="triton")`: a `BlockGeometry` and `MHLAOptions` the
     dispatch has checked against `capabilities`.
@@ -206,7 +267,10 @@ def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, r
     then takes the slice's partial summaries (S, z) to complete ones (`ops.context_parallel`). Without it a
     slice's output is wrong, but its kernels are those of a rank: `bench op --shard` times them so.
     `norms`: RMSNorms to apply on the way (`mhla_linear`; inference only, the dispatch decides).
+    Short calls over the whole grid take `mhla_parallel` (`_takes_parallel_form`).
     """
+    if _takes_parallel_form(q, k, v, mix, geometry, rope, reduce, norms):
+        return mhla_parallel(q, k, v, mix, *op_args(geometry, options))[0]
     cos, sin = kernel_tables(rope, q.dtype)
     args = op_args(geometry, options, start)
     return mhla_linear(q, k, v, mix, cos, sin, args, reduce, norms)

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import mhla
+from . import mhla, parallel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
@@ -75,6 +75,10 @@ KERNELS = {
     # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) on bf16 S at the 14B model's 252 blocks,
     # forward and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand)
     "mix bf16": (mhla._mix_kernel, "mix", {}),
+    # the quadratic form (`parallel.CONFIG`) at DiT-XL/2 512 px: 16 x 72 heads, 30 blocks; fp32 mix
+    "parallel fwd d72": (parallel._parallel_kernel, "parallel", {}),
+    "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False)),
+    "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True)),
 }
 # Blocks and S columns (B*heads*D*Dv) of the mixing row: Wan2.1-14B 720p in its "auto" cut (3, 7, 12), B = 1.
 MIX_BLOCKS, MIX_COLUMNS = 252, 40 * 128 * 128
@@ -87,7 +91,7 @@ def _tool(name: str) -> str:
     return path
 
 
-def compile_for_hopper(kernel, constexprs: dict, options: dict):
+def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP32_POINTERS):
     """The kernel compiled for sm_90 with `constexprs` fixed and the other arguments typed as a call passes them.
 
     A value given for an integer the kernel does not declare constexpr (a stride, a head dim) is specialized as the
@@ -103,7 +107,7 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict):
                 attrs[(i,)] = [["tt.divisibility", 16]]
             continue
         if arg.endswith("_ptr"):
-            signature[arg] = "*fp32" if arg in FP32_POINTERS else "*bf16"
+            signature[arg] = "*fp32" if arg in fp32_pointers else "*bf16"
         else:
             signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
         if arg.endswith("_ptr") or DIVISIBLE.match(arg):
@@ -138,6 +142,20 @@ def _mix_row(constexprs: dict) -> tuple[dict, dict]:
     return {**sizes, **launch, **constexprs}, options
 
 
+def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
+    """Constexprs and launch options of a quadratic-form row: `parallel._launch_args` at DiT-XL/2 512 px, the
+    gradient kernel's owned and walked tiles as `parallel.parallel_grad` gives them."""
+    cfg = parallel.CONFIG
+    meta = dict(D=72, DV=72, BLOCK_D=128, BLOCK_DV=128, BLOCK_B=32, ELU=False, NORMALIZE=True, **BF16)
+    if "KEYS" in constexprs:
+        meta.update(OWN=cfg["block_n"] if constexprs["KEYS"] else cfg["block_m"],
+                    WALK=cfg["block_m"] if constexprs["KEYS"] else cfg["block_n"])
+    else:
+        meta.update(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"])
+    meta.pop("scd")
+    return {**meta, **constexprs}, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
 def report() -> dict:
     """Usage of each kernel in KERNELS at the bf16 128 x 128 configuration its block length gets (the mixing row:
     `_mix_row`)."""
@@ -145,6 +163,10 @@ def report() -> dict:
     for name, (kernel, entry, constexprs, *block_tokens) in KERNELS.items():
         if entry == "mix":
             rows[name] = usage(compile_for_hopper(kernel, *_mix_row(constexprs)))
+            continue
+        if entry == "parallel":
+            rows[name] = usage(compile_for_hopper(kernel, *_parallel_row(constexprs),
+                                                  FP32_POINTERS | {"mix_ptr", "dmix_ptr"}))
             continue
         cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],
                            constexprs["ROPE"], norms=constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False))

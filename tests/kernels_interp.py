@@ -19,10 +19,12 @@ import types  # noqa: E402
 import torch  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
-from mhla_diffusion.kernels import mhla  # noqa: E402
-from mhla_diffusion.kernels.op import mhla_output, mhla_summaries  # noqa: E402
+from mhla_diffusion.kernels import mhla, parallel  # noqa: E402
+from mhla_diffusion.kernels.op import mhla_output, mhla_parallel, mhla_summaries  # noqa: E402
 from mhla_diffusion.ops import MHLAOptions, mhla_attention, mhla_op, naive  # noqa: E402
 from mhla_diffusion.ops.norms import Norms  # noqa: E402
+
+from dense import dense_mhla  # noqa: E402
 
 # One program per block keeps the interpreter quick; SPLIT cases force several programs per
 # block (atomic summaries, split Gram sums) with small token tiles.
@@ -223,6 +225,39 @@ def mix_case():
     return errors
 
 
+def parallel_case():
+    """The quadratic form (`op.mhla_parallel`: `parallel.py`; the op takes it for bf16 at short lengths, whose
+    products the interpreter computes unreliably) in fp32, o and the q, k, v, mix gradients against the dense fp64
+    formula: ragged blocks over three axes, N no multiple of the tiles, D = 72 (DiT's), Dv != D, strided (fused-qkv)
+    q and k, B = 2, both feature maps, with and without the normalizer, and tiles of 16 that put several blocks in
+    one tile and one block over several."""
+    gen = torch.Generator().manual_seed(5)
+    errors = {}
+    cases = {"DiT-like D=72, 5x6 blocks": ((1, 12, 14), (1, 5, 6), 72, 72),
+             "ragged 3-axis blocks, Dv != D": ((3, 5, 7), (2, 2, 3), 16, 40)}
+    for name, (grid, blocks, d, dv) in cases.items():
+        n, m = math.prod(grid), math.prod(blocks)
+        qk = torch.randn(2, n, 2, 3, d, generator=gen).unbind(2)  # q, k as strided views of one projection
+        v = torch.randn(2, n, 3, dv, generator=gen)
+        do = torch.randn(2, n, 3, dv, generator=gen)
+        mix = (locality_mix(blocks) + 0.1 * torch.rand(m, m, generator=gen, dtype=torch.float64)).float()
+        for feature in ("relu", "elu"):
+            for normalize in (True, False):
+                ref_leaves = [t.double().requires_grad_() for t in (*qk, v, mix)]
+                ref = dense_mhla(*ref_leaves, grid, blocks, normalize=normalize, feature=feature)
+                ref.backward(do.double())
+                for tiles in (64, 16) if feature == "elu" else (64,):
+                    leaves = [t.detach().requires_grad_() for t in (*qk, v, mix)]
+                    with overriding(parallel.CONFIG, block_m=tiles, block_n=tiles):
+                        out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], normalize, 1e-6, feature)
+                        out.backward(do)
+                    label = f"{name} {feature} normalize={normalize} tiles {tiles}"
+                    errors[f"{label}: o"] = rel(out, ref)
+                    errors.update({f"{label}: d{x}": rel(a.grad, r.grad)
+                                   for x, a, r in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
+    return errors
+
+
 def compile_case():
     """torch.compile(fullgraph=True) through the custom op, forward and backward, matches eager."""
     configure(FEW)
@@ -257,7 +292,7 @@ def compile_case():
 
 def opcheck_case():
     """torch.library.opcheck: schema, fake tensor (output types per input type) and autograd registration, for the
-    whole grid and for a slice of it (fp32 partial summaries)."""
+    whole grid and for a slice of it (fp32 partial summaries), and for the quadratic form."""
     configure(FEW)
     gen = torch.Generator().manual_seed(3)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -278,6 +313,11 @@ def opcheck_case():
             s, z = mhla_summaries(k, v.detach(), None, None, wk, 1e-6, *options)
             norm_args = (q, mix.detach(), s.to(mhla.state_dtype(dtype)), z, None, None, wq, 1e-6, gain.view(2, 8), 1e-6)
             torch.library.opcheck(mhla_output, (*norm_args, *options), test_utils=checks[::2])
+        # the quadratic form: the whole grid only, normalized (o and 1 / den) and unnormalized (o)
+        q, k, v = (torch.randn(1, 24, 2, 16, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+        for normalize in (True, False):
+            torch.library.opcheck(mhla_parallel, (q, k, v, torch.rand(4, 4, generator=gen, requires_grad=True),
+                                                  [1, 4, 6, 1, 2, 2, 0], normalize, 1e-6, "elu"), test_utils=checks)
     return {"ok": 0.0}
 
 
@@ -303,6 +343,7 @@ CASES = {
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),
     "mixing kernel": mix_case,
+    "parallel form": parallel_case,
     "torch.compile fullgraph": compile_case,
     "opcheck": opcheck_case,
 }

@@ -40,6 +40,7 @@ CASES = [
     "stages",
     "stages split programs",
     "mixing kernel",
+    "parallel form",
     "torch.compile fullgraph",
     "opcheck",
 ]
@@ -331,6 +332,36 @@ def test_mixing_takes_the_kernel_where_it_measured_faster_and_cublas_elsewhere(t
                                                                            (16, 30, 60, 121, 180, 252)]
     assert seen == [(torch.bfloat16, m, True) for m in (64, 120, 256, 300, 512)] + [
         (torch.float32, m, True) for _ in (0, 1) for m in (16, 180, 252)]
+
+
+def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
+    """Through `mhla_attention(backend="triton")`: bf16 calls over a whole grid of up to `parallel.CONFIG["max_tokens"]`
+    tokens without gradients (`"max_tokens_with_grad"` with them; DiT-XL/2 256 px's 256) take the quadratic op; with
+    RoPE, for fp32 inputs and past those lengths, the linear path. Calls are recorded, not run (values:
+    kernels_interp.py, "parallel form", and `bench op --check` for bf16)."""
+    from mhla_diffusion.kernels import op, parallel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    taken = []
+    monkeypatch.setattr(op, "mhla_parallel", lambda q, *args: taken.append("parallel") or (q, None))
+    monkeypatch.setattr(op, "mhla_linear", lambda q, *args: taken.append("linear") or q)
+    blocks = (1, 5, 6)
+    mix = torch.nn.Parameter(locality_mix(blocks).float())
+
+    def call(side, dtype=torch.bfloat16, grad=False, rope=False):
+        grid = (1, side, side)
+        q, k, v = (torch.randn(1, side * side, 2, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+        angle = torch.zeros(1, side * side, 1, 16)
+        with torch.set_grad_enabled(grad):
+            mhla_attention(q, k, v, mix, grid, blocks, rope=(angle.cos(), angle.sin()) if rope else None,
+                           backend="triton")
+        return taken.pop()
+
+    for grad, limit in ((False, parallel.CONFIG["max_tokens"]), (True, parallel.CONFIG["max_tokens_with_grad"])):
+        side = math.isqrt(limit)  # the longest square grid at the limit
+        assert call(side, grad=grad) == "parallel"
+        assert [call(side, grad=grad, rope=True), call(side, dtype=torch.float32, grad=grad)] == ["linear"] * 2
+        assert call(side + 1, grad=grad) == "linear"
 
 
 def test_fp32_inputs_mix_in_plain_fp32_whatever_the_global_tf32_flag(monkeypatch):

@@ -1,0 +1,249 @@
+"""MHLA in its quadratic (parallel) form, for short sequences: one launch in place of the linear path's summaries,
+mixing and output launches (and two for the backward in place of its eight).
+
+With w_in = mix[block(i), block(n)], MHLA's output is exactly
+
+    o_i = sum_n w_in (phi(q_i) . phi(k_n)) v_n  [/ (sum_n w_in phi(q_i) . phi(k_n) + eps)],
+
+since S~_b = sum_c mix[b, c] sum_{n in c} phi(k_n)^T v_n. `_parallel_kernel` computes it the way FlashAttention
+walks keys, with the softmax replaced by the block weights: one program per (batch-head, query tile) of raster
+tokens walks all N keys in tiles, P = phi(Q) phi(K)^T * W, O += P V, den += rowsum(P). W is one small product,
+G @ E: G (query tile x blocks) holds the mix rows of the tile's queries, loaded once, and E the one-hot block
+columns of the key tile, so each weight is one exact product of a mix entry with 1.0 (mix rounded to the operand
+type, as the linear path's mixing GEMM rounds it). Its work grows as N^2 (D + Dv), the linear path's as N D Dv plus
+a fixed cost of its launches: at 256 tokens (DiT-XL/2 256 px) this form took half the time, at 1,024 twice as long
+(`CONFIG`, `uses_parallel_form`; kernels/NOTES.md).
+
+The backward (`_parallel_grad_kernel`) recomputes A and W from q, k and mix, as FlashAttention-2 recomputes its
+scores, and reads the output and 1 / den per query that the forward kept. The op takes this path for the whole grid
+of a call only (not a context-parallel slice: no summaries are formed to sum over ranks), without RoPE or RMSNorms
+on the way.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .mhla import _dot_types, _dphi, _head, _load_rows, _phi, _pow2
+
+# Launch settings and the longest sequences that take this path, without and with gradients. H200, bf16, 2026-12-03
+# (kernels/NOTES.md, session 32), ms, linear path -> this one: DiT-XL/2 256 px (256 tokens) fwd 0.026 -> 0.014, f+b
+# 0.096 -> 0.063 (64 x 64 tiles on 8 warps: the best of 10 configs there, forward and f+b); at 1,024 tokens it lost,
+# DiT-XL/2 512 px 0.051 -> 0.091 / 0.196 -> 0.421 and SANA-1.6B 1K 0.043 -> 0.126 / 0.150 -> 0.751. Between 256 and
+# 1,024 tokens nothing was timed: the limit is the measured win.
+CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "max_tokens": 256, "max_tokens_with_grad": 256}
+
+
+@triton.jit
+def _block_of(n, T, H, W, NBT, NBH, NBW):
+    """Block id of raster token n: along each axis the block i with floor(i L / nb) <= x < floor((i+1) L / nb),
+    i = floor(((x + 1) nb - 1) / L)."""
+    hw = H * W
+    t = n // hw
+    rem = n - t * hw
+    h = rem // W
+    w = rem - h * W
+    it = ((t + 1) * NBT - 1) // T
+    ih = ((h + 1) * NBH - 1) // H
+    iw = ((w + 1) * NBW - 1) // W
+    return (it * NBH + ih) * NBW + iw
+
+
+@triton.jit
+def _features_of(x_ptr, n, sn, mask_n, d, mask_d, ELU: tl.constexpr):
+    """phi(x) of a token tile, zero outside it (elu + 1 of the masked loads' zeros would be one)."""
+    fx = _phi(_load_rows(x_ptr, n, sn, mask_n, d, mask_d), ELU)
+    return tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
+
+
+@triton.jit
+def _parallel_kernel(
+    q_ptr, k_ptr, v_ptr, mix_ptr, o_ptr, rden_ptr,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, smi, smj,
+    heads, N, M, T, H, W, NBT, NBH, NBW, eps, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """o for the BLOCK_M queries of grid axis 1, batch-head axis 0 (and, normalized, 1 / den per query for the
+    backward)."""
+    bh, pid = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    q_ptr = _head(q_ptr, b, h, sqb, sqh)
+    k_ptr = _head(k_ptr, b, h, skb, skh)
+    v_ptr = _head(v_ptr, b, h, svb, svh)
+    o_ptr = _head(o_ptr, b, h, sob, soh)
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    c = tl.arange(0, BLOCK_B)
+    i = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_i = i < N
+    fq = _features_of(q_ptr, i, sqn, mask_i, d, d < D, ELU).to(DOT)
+    rows = tl.load(mix_ptr + _block_of(i, T, H, W, NBT, NBH, NBW)[:, None] * smi + c[None, :] * smj,
+                   mask=mask_i[:, None] & (c[None, :] < M), other=0.0).to(DOT)  # G: the queries' mix rows
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    den = tl.zeros((BLOCK_M,), tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = n < N
+        fk = _features_of(k_ptr, n, skn, mask_n, d, d < D, ELU).to(DOT)
+        a = tl.dot(fq, tl.trans(fk), input_precision=PRECISION)
+        one_hot = tl.where(c[:, None] == _block_of(n, T, H, W, NBT, NBH, NBW)[None, :], 1.0, 0.0).to(DOT)
+        p = a * tl.dot(rows, one_hot, input_precision=PRECISION)
+        if NORMALIZE:
+            den += tl.sum(p, axis=1)
+        p = p.to(DOT)
+        acc += tl.dot(p, _load_rows(v_ptr, n, svn, mask_n, e, e < DV).to(DOT), input_precision=PRECISION)
+    if NORMALIZE:
+        rden = 1.0 / (den + eps)
+        tl.store(rden_ptr + bh.to(tl.int64) * N + i, rden, mask=mask_i)
+        acc = acc * rden[:, None]
+    _store_rows(o_ptr, i, son, mask_i, e, DV, acc)
+
+
+@triton.jit
+def _parallel_grad_kernel(
+    q_ptr, k_ptr, v_ptr, mix_ptr, do_ptr, o_ptr, rden_ptr, c_ptr, dx_ptr, dv_ptr, dmix_ptr,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, sob, son, soh, sxb, sxn, sxh, sgb, sgn, sgh, smi, smj,
+    heads, N, M, T, H, W, NBT, NBH, NBW, D: tl.constexpr, DV: tl.constexpr,
+    OWN: tl.constexpr, WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr,
+    ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
+    g = dO / den and c = -(dO . o) / den per query (unnormalized: g = dO, c = 0): dP = g V^T + c, dA = dP * W,
+    dV = P^T g, dphi(Q) = dA phi(K), dphi(K) = dA^T phi(Q), and dmix[b, b'] sums dP * A over the query-key pairs
+    of blocks (b, b').
+
+    Not KEYS: a program owns OWN queries and walks all keys in WALK-token tiles: dq, and c, stored for the KEYS
+    launch after it. KEYS: a program owns OWN keys and walks all queries: dk, dv and its share of dmix (the
+    queries' one-hot sums E_q^T (dP * A) kept per key, multiplied by the keys' one-hot once, one atomic add of
+    the (blocks x blocks) tile)."""
+    bh, pid = tl.program_id(0), tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    q_ptr = _head(q_ptr, b, h, sqb, sqh)
+    k_ptr = _head(k_ptr, b, h, skb, skh)
+    v_ptr = _head(v_ptr, b, h, svb, svh)
+    do_ptr = _head(do_ptr, b, h, sdb, sdh)
+    o_ptr = _head(o_ptr, b, h, sob, soh)
+    dx_ptr = _head(dx_ptr, b, h, sxb, sxh)
+    dv_ptr = _head(dv_ptr, b, h, sgb, sgh)
+    stats = bh.to(tl.int64) * N
+    d = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, BLOCK_DV)
+    c = tl.arange(0, BLOCK_B)
+    if KEYS:
+        x_ptr, sx, y_ptr, sy = k_ptr, skn, q_ptr, sqn
+    else:
+        x_ptr, sx, y_ptr, sy = q_ptr, sqn, k_ptr, skn
+    j = pid * OWN + tl.arange(0, OWN)
+    mask_j = j < N
+    block_j = _block_of(j, T, H, W, NBT, NBH, NBW)
+    fx = _features_of(x_ptr, j, sx, mask_j, d, d < D, ELU).to(DOT)
+    dphi = tl.zeros((OWN, BLOCK_D), tl.float32)
+    if KEYS:
+        vj = _load_rows(v_ptr, j, svn, mask_j, e, e < DV).to(DOT)
+        key_hot = tl.where(c[:, None] == block_j[None, :], 1.0, 0.0).to(DOT)
+        dv = tl.zeros((OWN, BLOCK_DV), tl.float32)
+        pair_sums = tl.zeros((BLOCK_B, OWN), tl.float32)  # per key: sum of dP * A over the queries of block b
+    else:
+        rows = tl.load(mix_ptr + block_j[:, None] * smi + c[None, :] * smj,
+                       mask=mask_j[:, None] & (c[None, :] < M), other=0.0).to(DOT)
+        g = _load_rows(do_ptr, j, sdn, mask_j, e, e < DV)
+        if NORMALIZE:
+            rden = tl.load(rden_ptr + stats + j, mask=mask_j, other=0.0)
+            cj = -tl.sum(g * _load_rows(o_ptr, j, son, mask_j, e, e < DV), axis=1) * rden
+            tl.store(c_ptr + stats + j, cj, mask=mask_j)
+            g = g * rden[:, None]
+        g = g.to(DOT)
+    for w0 in range(0, N, WALK):
+        n = w0 + tl.arange(0, WALK)
+        mask_n = n < N
+        block_n = _block_of(n, T, H, W, NBT, NBH, NBW)
+        fy = _features_of(y_ptr, n, sy, mask_n, d, d < D, ELU).to(DOT)
+        if KEYS:  # n: queries; tiles are (queries, keys)
+            rows = tl.load(mix_ptr + block_n[:, None] * smi + c[None, :] * smj,
+                           mask=mask_n[:, None] & (c[None, :] < M), other=0.0).to(DOT)
+            w = tl.dot(rows, key_hot, input_precision=PRECISION)
+            a = tl.dot(fy, tl.trans(fx), input_precision=PRECISION)
+            gn = _load_rows(do_ptr, n, sdn, mask_n, e, e < DV)
+            if NORMALIZE:
+                gn = gn * tl.load(rden_ptr + stats + n, mask=mask_n, other=0.0)[:, None]
+            gn = gn.to(DOT)
+            dp = tl.dot(gn, tl.trans(vj), input_precision=PRECISION)
+            if NORMALIZE:
+                dp += tl.load(c_ptr + stats + n, mask=mask_n, other=0.0)[:, None]
+            p_t = tl.trans((a * w).to(DOT))
+            dv += tl.dot(p_t, gn, input_precision=PRECISION)
+            da_t = tl.trans((dp * w).to(DOT))
+            query_hot = tl.where(c[:, None] == block_n[None, :], 1.0, 0.0).to(DOT)
+            pair_sums += tl.dot(query_hot, (dp * a).to(DOT), input_precision=PRECISION)
+        else:  # n: keys; tiles are (queries, keys)
+            key_hot = tl.where(c[:, None] == block_n[None, :], 1.0, 0.0).to(DOT)
+            w = tl.dot(rows, key_hot, input_precision=PRECISION)
+            dp = tl.dot(g, tl.trans(_load_rows(v_ptr, n, svn, mask_n, e, e < DV).to(DOT)), input_precision=PRECISION)
+            if NORMALIZE:
+                dp += cj[:, None]
+            da_t = (dp * w).to(DOT)  # (owned queries, keys)
+        dphi += tl.dot(da_t, fy, input_precision=PRECISION)
+    _store_rows(dx_ptr, j, sxn, mask_j, d, D, dphi * _dphi(_features_of(x_ptr, j, sx, mask_j, d, d < D, ELU), ELU))
+    if KEYS:
+        _store_rows(dv_ptr, j, sgn, mask_j, e, DV, dv)
+        share = tl.dot(pair_sums, tl.trans(key_hot.to(tl.float32)), input_precision="ieee")  # (blocks, blocks)
+        tl.atomic_add(dmix_ptr + c[:, None] * M + c[None, :], share, mask=(c[:, None] < M) & (c[None, :] < M))
+
+
+@triton.jit
+def _store_rows(o_ptr, i, son, mask_i, e, DV: tl.constexpr, x):
+    tl.store(o_ptr + i.to(tl.int64)[:, None] * son + e[None, :], x.to(o_ptr.dtype.element_ty),
+             mask=mask_i[:, None] & (e < DV)[None, :])
+
+
+def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool) -> bool:
+    """Whether a whole-grid call of n tokens takes the quadratic form: bf16 (where it was measured) and n up to
+    CONFIG["max_tokens"] (inference) or CONFIG["max_tokens_with_grad"]."""
+    return dtype == torch.bfloat16 and n <= CONFIG["max_tokens_with_grad" if wants_grad else "max_tokens"]
+
+
+def _launch_args(q, k, v, mix, grid, blocks, elu: bool, normalize: bool):
+    """Sizes and constexprs shared by the forward and backward launches."""
+    d, dv, m = q.shape[-1], v.shape[-1], mix.shape[0]
+    dot, precision = _dot_types(q.dtype)
+    sizes = (q.shape[2], q.shape[1], m, *grid, *blocks)
+    return sizes, dict(D=d, DV=dv, BLOCK_M=CONFIG["block_m"], BLOCK_N=CONFIG["block_n"], BLOCK_D=max(16, _pow2(d)),
+                       BLOCK_DV=max(16, _pow2(dv)), BLOCK_B=max(16, _pow2(m)), ELU=elu, NORMALIZE=normalize, DOT=dot,
+                       PRECISION=precision, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+
+
+def _strides(*tensors):
+    return [st for t in tensors for st in t.stride()[:3]]
+
+
+def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, eps: float):
+    """(o, rden): o (B, N, heads, Dv) of MHLA over the whole (T, H, W) grid of tokens cut into `blocks`, in q's type
+    (fp32 accumulate; products in the operand type of `mhla._dot_types`), and normalized, 1 / den per query
+    (B*heads, N) fp32 for `parallel_grad` (unnormalized: an empty tensor)."""
+    batch, n, heads, _ = q.shape
+    o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
+    rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
+    sizes, meta = _launch_args(q, k, v, mix, grid, blocks, elu, normalize)
+    _parallel_kernel[(batch * heads, triton.cdiv(n, CONFIG["block_m"]))](
+        q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta)
+    return o, rden
+
+
+def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normalize: bool):
+    """(dq, dk, dv, dmix) of `parallel_output` from its output o and rden: the query launch (dq, and c per query),
+    then the key launch (dk, dv, dmix summed over programs in fp32)."""
+    batch, n, heads, _ = q.shape
+    dq, dk = torch.empty(q.shape, device=q.device, dtype=q.dtype), torch.empty(k.shape, device=q.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
+    dmix = torch.zeros(mix.shape, device=q.device, dtype=torch.float32)
+    c = torch.empty_like(rden)
+    sizes, meta = _launch_args(q, k, v, mix, grid, blocks, elu, normalize)
+    block_m, block_n = meta.pop("BLOCK_M"), meta.pop("BLOCK_N")
+    for keys, dx, own, walk in ((False, dq, block_m, block_n), (True, dk, block_n, block_m)):
+        _parallel_grad_kernel[(batch * heads, triton.cdiv(n, own))](
+            q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
+            mix.stride(1), *sizes, OWN=own, WALK=walk, KEYS=keys, **meta)
+    return dq, dk, dv, dmix
