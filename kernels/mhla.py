@@ -54,6 +54,16 @@ def _phi(x, ELU: tl.constexpr):
 
 
 @triton.jit
+def _phi_tile(x, mask_n, mask_d, ELU: tl.constexpr):
+    """phi of a masked-loaded (rows x cols) tile, zero outside the masks: relu of the loads' zeros is zero already;
+    elu + 1 of them is one."""
+    fx = _phi(x, ELU)
+    if ELU:
+        fx = tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
+    return fx
+
+
+@triton.jit
 def _dphi(fx, ELU: tl.constexpr):
     """phi'(x) from phi(x): relu' = [phi > 0]; for elu + 1, phi' = min(phi, 1) (exp(x) for x <= 0)."""
     if ELU:
@@ -160,9 +170,7 @@ def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, 
     x = _load_rows(x_ptr, n, sxn, mask_n, d, mask_d)
     if NORM:
         x = x * tl.load(xs_ptr + n, mask=mask_n, other=0.0)[:, None] * xw[None, :]
-    fx = _phi(x, ELU)  # relu of the masked loads' zeros is zero; elu + 1 of them is one:
-    if ELU:
-        fx = tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
+    fx = _phi_tile(x, mask_n, mask_d, ELU)
     rx = fx
     if ROPE:
         cos, sin = _rope_tables(cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mhla import _dot_types, _dphi, _head, _load_rows, _phi, _pow2
+from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2
 
 # Launch settings and the longest sequences that take this path, without and with gradients. H200, bf16, 2026-12-03
 # (kernels/NOTES.md, session 32), ms, linear path -> this one: DiT-XL/2 256 px (256 tokens) fwd 0.026 -> 0.014, f+b
@@ -53,9 +53,21 @@ def _block_of(n, T, H, W, NBT, NBH, NBW):
 
 @triton.jit
 def _features_of(x_ptr, n, sn, mask_n, d, mask_d, ELU: tl.constexpr):
-    """phi(x) of a token tile, zero outside it (elu + 1 of the masked loads' zeros would be one)."""
-    fx = _phi(_load_rows(x_ptr, n, sn, mask_n, d, mask_d), ELU)
-    return tl.where(mask_n[:, None] & mask_d[None, :], fx, 0.0)
+    """phi(x) of a token tile, zero outside it."""
+    return _phi_tile(_load_rows(x_ptr, n, sn, mask_n, d, mask_d), mask_n, mask_d, ELU)
+
+
+@triton.jit
+def _mix_rows(mix_ptr, block, mask, c, smi, smj, M, DOT: tl.constexpr):
+    """G: the mix rows of a tile's tokens (their blocks' rows, columns c < M), in the operand type."""
+    return tl.load(mix_ptr + block[:, None] * smi + c[None, :] * smj, mask=mask[:, None] & (c[None, :] < M),
+                   other=0.0).to(DOT)
+
+
+@triton.jit
+def _one_hot(c, block, DOT: tl.constexpr):
+    """E^T: (blocks x tokens), 1 where token n lies in block c."""
+    return tl.where(c[:, None] == block[None, :], 1.0, 0.0).to(DOT)
 
 
 @triton.jit
@@ -80,8 +92,7 @@ def _parallel_kernel(
     i = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_i = i < N
     fq = _features_of(q_ptr, i, sqn, mask_i, d, d < D, ELU).to(DOT)
-    rows = tl.load(mix_ptr + _block_of(i, T, H, W, NBT, NBH, NBW)[:, None] * smi + c[None, :] * smj,
-                   mask=mask_i[:, None] & (c[None, :] < M), other=0.0).to(DOT)  # G: the queries' mix rows
+    rows = _mix_rows(mix_ptr, _block_of(i, T, H, W, NBT, NBH, NBW), mask_i, c, smi, smj, M, DOT)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     den = tl.zeros((BLOCK_M,), tl.float32)
     for n0 in range(0, N, BLOCK_N):
@@ -89,8 +100,7 @@ def _parallel_kernel(
         mask_n = n < N
         fk = _features_of(k_ptr, n, skn, mask_n, d, d < D, ELU).to(DOT)
         a = tl.dot(fq, tl.trans(fk), input_precision=PRECISION)
-        one_hot = tl.where(c[:, None] == _block_of(n, T, H, W, NBT, NBH, NBW)[None, :], 1.0, 0.0).to(DOT)
-        p = a * tl.dot(rows, one_hot, input_precision=PRECISION)
+        p = a * tl.dot(rows, _one_hot(c, _block_of(n, T, H, W, NBT, NBH, NBW), DOT), input_precision=PRECISION)
         if NORMALIZE:
             den += tl.sum(p, axis=1)
         p = p.to(DOT)
@@ -143,12 +153,11 @@ def _parallel_grad_kernel(
     dphi = tl.zeros((OWN, BLOCK_D), tl.float32)
     if KEYS:
         vj = _load_rows(v_ptr, j, svn, mask_j, e, e < DV).to(DOT)
-        key_hot = tl.where(c[:, None] == block_j[None, :], 1.0, 0.0).to(DOT)
+        key_hot = _one_hot(c, block_j, DOT)
         dv = tl.zeros((OWN, BLOCK_DV), tl.float32)
         pair_sums = tl.zeros((BLOCK_B, OWN), tl.float32)  # per key: sum of dP * A over the queries of block b
     else:
-        rows = tl.load(mix_ptr + block_j[:, None] * smi + c[None, :] * smj,
-                       mask=mask_j[:, None] & (c[None, :] < M), other=0.0).to(DOT)
+        rows = _mix_rows(mix_ptr, block_j, mask_j, c, smi, smj, M, DOT)
         g = _load_rows(do_ptr, j, sdn, mask_j, e, e < DV)
         if NORMALIZE:
             rden = tl.load(rden_ptr + stats + j, mask=mask_j, other=0.0)
@@ -162,9 +171,7 @@ def _parallel_grad_kernel(
         block_n = _block_of(n, T, H, W, NBT, NBH, NBW)
         fy = _features_of(y_ptr, n, sy, mask_n, d, d < D, ELU).to(DOT)
         if KEYS:  # n: queries; tiles are (queries, keys)
-            rows = tl.load(mix_ptr + block_n[:, None] * smi + c[None, :] * smj,
-                           mask=mask_n[:, None] & (c[None, :] < M), other=0.0).to(DOT)
-            w = tl.dot(rows, key_hot, input_precision=PRECISION)
+            w = tl.dot(_mix_rows(mix_ptr, block_n, mask_n, c, smi, smj, M, DOT), key_hot, input_precision=PRECISION)
             a = tl.dot(fy, tl.trans(fx), input_precision=PRECISION)
             gn = _load_rows(do_ptr, n, sdn, mask_n, e, e < DV)
             if NORMALIZE:
@@ -176,11 +183,9 @@ def _parallel_grad_kernel(
             p_t = tl.trans((a * w).to(DOT))
             dv += tl.dot(p_t, gn, input_precision=PRECISION)
             da_t = tl.trans((dp * w).to(DOT))
-            query_hot = tl.where(c[:, None] == block_n[None, :], 1.0, 0.0).to(DOT)
-            pair_sums += tl.dot(query_hot, (dp * a).to(DOT), input_precision=PRECISION)
+            pair_sums += tl.dot(_one_hot(c, block_n, DOT), (dp * a).to(DOT), input_precision=PRECISION)
         else:  # n: keys; tiles are (queries, keys)
-            key_hot = tl.where(c[:, None] == block_n[None, :], 1.0, 0.0).to(DOT)
-            w = tl.dot(rows, key_hot, input_precision=PRECISION)
+            w = tl.dot(rows, _one_hot(c, block_n, DOT), input_precision=PRECISION)
             dp = tl.dot(g, tl.trans(_load_rows(v_ptr, n, svn, mask_n, e, e < DV).to(DOT)), input_precision=PRECISION)
             if NORMALIZE:
                 dp += cj[:, None]
@@ -205,14 +210,22 @@ def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool) -> bool:
     return dtype == torch.bfloat16 and n <= CONFIG["max_tokens_with_grad" if wants_grad else "max_tokens"]
 
 
-def _launch_args(q, k, v, mix, grid, blocks, elu: bool, normalize: bool):
-    """Sizes and constexprs shared by the forward and backward launches."""
+def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool):
+    """Sizes and constexprs shared by the forward and backward launches (q, v, mix may be meta tensors: only their
+    shapes and q's type are read)."""
     d, dv, m = q.shape[-1], v.shape[-1], mix.shape[0]
     dot, precision = _dot_types(q.dtype)
     sizes = (q.shape[2], q.shape[1], m, *grid, *blocks)
     return sizes, dict(D=d, DV=dv, BLOCK_M=CONFIG["block_m"], BLOCK_N=CONFIG["block_n"], BLOCK_D=max(16, _pow2(d)),
                        BLOCK_DV=max(16, _pow2(dv)), BLOCK_B=max(16, _pow2(m)), ELU=elu, NORMALIZE=normalize, DOT=dot,
                        PRECISION=precision, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+
+
+def _grad_tiles(meta: dict, keys: bool) -> dict:
+    """The gradient kernel's owned and walked tiles: queries own BLOCK_M and walk keys by BLOCK_N (dq), keys own
+    BLOCK_N and walk queries by BLOCK_M (dk, dv, dmix)."""
+    tiles = (meta["BLOCK_N"], meta["BLOCK_M"]) if keys else (meta["BLOCK_M"], meta["BLOCK_N"])
+    return dict(OWN=tiles[0], WALK=tiles[1])
 
 
 def _strides(*tensors):
@@ -226,7 +239,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     batch, n, heads, _ = q.shape
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
-    sizes, meta = _launch_args(q, k, v, mix, grid, blocks, elu, normalize)
+    sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
     _parallel_kernel[(batch * heads, triton.cdiv(n, CONFIG["block_m"]))](
         q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta)
     return o, rden
@@ -240,10 +253,11 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
     dmix = torch.zeros(mix.shape, device=q.device, dtype=torch.float32)
     c = torch.empty_like(rden)
-    sizes, meta = _launch_args(q, k, v, mix, grid, blocks, elu, normalize)
-    block_m, block_n = meta.pop("BLOCK_M"), meta.pop("BLOCK_N")
-    for keys, dx, own, walk in ((False, dq, block_m, block_n), (True, dk, block_n, block_m)):
-        _parallel_grad_kernel[(batch * heads, triton.cdiv(n, own))](
+    sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
+    for keys, dx in ((False, dq), (True, dk)):
+        tiles = _grad_tiles(meta, keys)
+        launch = {key: value for key, value in meta.items() if key not in ("BLOCK_M", "BLOCK_N")}
+        _parallel_grad_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
             q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
-            mix.stride(1), *sizes, OWN=own, WALK=walk, KEYS=keys, **meta)
+            mix.stride(1), *sizes, KEYS=keys, **tiles, **launch)
     return dq, dk, dv, dmix

@@ -143,17 +143,18 @@ def _mix_row(constexprs: dict) -> tuple[dict, dict]:
 
 
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
-    """Constexprs and launch options of a quadratic-form row: `parallel._launch_args` at DiT-XL/2 512 px, the
-    gradient kernel's owned and walked tiles as `parallel.parallel_grad` gives them."""
-    cfg = parallel.CONFIG
-    meta = dict(D=72, DV=72, BLOCK_D=128, BLOCK_DV=128, BLOCK_B=32, ELU=False, NORMALIZE=True, **BF16)
+    """Arguments and launch options of a quadratic-form row: `parallel._launch_args` at DiT-XL/2 512 px (16 x 72 heads,
+    1,024 tokens, 30 blocks, bf16, normalized, relu), the gradient rows' tiles as `parallel._grad_tiles` gives them,
+    sizes specialized as the JIT specializes them."""
+    grid, blocks = (1, 32, 32), (1, 5, 6)
+    q = torch.empty((1, 1024, 16, 72), dtype=torch.bfloat16, device="meta")
+    sizes, meta = parallel._launch_args(q, q, torch.empty((30, 30), device="meta"), grid, blocks, elu=False,
+                                        normalize=True)
+    options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
     if "KEYS" in constexprs:
-        meta.update(OWN=cfg["block_n"] if constexprs["KEYS"] else cfg["block_m"],
-                    WALK=cfg["block_m"] if constexprs["KEYS"] else cfg["block_n"])
-    else:
-        meta.update(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"])
-    meta.pop("scd")
-    return {**meta, **constexprs}, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        meta.update(parallel._grad_tiles(meta, constexprs["KEYS"]))
+        del meta["BLOCK_M"], meta["BLOCK_N"]
+    return {**dict(zip(("heads", "N", "M", "T", "H", "W", "NBT", "NBH", "NBW"), sizes)), **meta, **constexprs}, options
 
 
 def report() -> dict:
