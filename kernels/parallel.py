@@ -11,8 +11,10 @@ tokens walks all N keys in tiles, P = phi(Q) phi(K)^T * W, O += P V, den += rows
 G @ E: G (query tile x blocks) holds the mix rows of the tile's queries, loaded once, and E the one-hot block
 columns of the key tile, so each weight is one exact product of a mix entry with 1.0 (mix rounded to the operand
 type, as the linear path's mixing GEMM rounds it). Its work grows as N^2 (D + Dv), the linear path's as N D Dv plus
-a fixed cost of its launches: at 256 tokens (DiT-XL/2 256 px) this form took half the time, at 1,024 twice as long
-(`CONFIG`, `uses_parallel_form`; kernels/NOTES.md).
+a fixed cost of its launches: at 256 tokens (DiT-XL/2 256 px) this form took half the time, at 576 a sixth less
+without gradients, at 1,024 about as long (`CONFIG`, `uses_parallel_form`; kernels/NOTES.md). The token and block
+grids are constexprs: a short sequence's few resolutions each get their kernels, whose block ids of tokens are then
+multiplies and shifts instead of integer divisions.
 
 The backward (`_parallel_grad_kernel`) recomputes A and W from q, k and mix, as FlashAttention-2 recomputes its
 scores, and reads the output and 1 / den per query that the forward kept. The op takes this path for the whole grid
@@ -28,12 +30,24 @@ import triton.language as tl
 
 from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2
 
-# Launch settings and the longest sequences that take this path, without and with gradients. H200, bf16, 2026-12-03
-# (kernels/NOTES.md, session 32), ms, linear path -> this one: DiT-XL/2 256 px (256 tokens) fwd 0.026 -> 0.014, f+b
-# 0.096 -> 0.063 (64 x 64 tiles on 8 warps: the best of 10 configs there, forward and f+b); at 1,024 tokens it lost,
-# DiT-XL/2 512 px 0.051 -> 0.091 / 0.196 -> 0.421 and SANA-1.6B 1K 0.043 -> 0.126 / 0.150 -> 0.751. Between 256 and
-# 1,024 tokens nothing was timed: the limit is the measured win.
-CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "max_tokens": 256, "max_tokens_with_grad": 256}
+# Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
+# sequences that take this path, without and with gradients. H200, bf16, 2026-12-03 (kernels/NOTES.md, sessions 32
+# and 33), us per kernel (CUDA-graph replay), the linear path's whole op for comparison:
+# - forward: 64 x 64 on 8 warps at up to 256 tokens (DiT-XL/2 256 px: 13.3, against 26.7 for the linear path);
+#   over that 128 queries on 8 warps ("forward_long": 576 tokens 32.4 against 53.2 at 64 x 64 and 38.8 linear;
+#   1,024 tokens 53.6 against 51.0 linear, so the limit without gradients is 576, the longest win measured).
+# - dq: 64 x 64 on 8 warps (15.5 at 256 tokens); dk, dv, dmix: 32 keys walking queries by 64 on 4 warps (26.7
+#   against 31.8 at 64 x 64 on 8). With gradients the form wins at 256 tokens only: at 576 the key kernel alone
+#   takes 142 us against the linear path's 147 for the whole forward+backward.
+CONFIG = {
+    "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
+    "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),
+    "long_over": 256,
+    "grad_queries": dict(own=64, walk=64, num_warps=8, num_stages=2),
+    "grad_keys": dict(own=32, walk=64, num_warps=4, num_stages=2),
+    "max_tokens": 576,
+    "max_tokens_with_grad": 256,
+}
 
 
 @triton.jit
@@ -74,12 +88,14 @@ def _one_hot(c, block, DOT: tl.constexpr):
 def _parallel_kernel(
     q_ptr, k_ptr, v_ptr, mix_ptr, o_ptr, rden_ptr,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, smi, smj,
-    heads, N, M, T, H, W, NBT, NBH, NBW, eps, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    heads, M, eps, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
+    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, OWN: tl.constexpr, WALK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """o for the BLOCK_M queries of grid axis 1, batch-head axis 0 (and, normalized, 1 / den per query for the
-    backward)."""
+    """o for the OWN queries of grid axis 1, batch-head axis 0, walking the keys by WALK (and, normalized, 1 / den
+    per query for the backward)."""
+    N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     q_ptr = _head(q_ptr, b, h, sqb, sqh)
@@ -89,14 +105,14 @@ def _parallel_kernel(
     d = tl.arange(0, BLOCK_D)
     e = tl.arange(0, BLOCK_DV)
     c = tl.arange(0, BLOCK_B)
-    i = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = pid * OWN + tl.arange(0, OWN)
     mask_i = i < N
     fq = _features_of(q_ptr, i, sqn, mask_i, d, d < D, ELU).to(DOT)
     rows = _mix_rows(mix_ptr, _block_of(i, T, H, W, NBT, NBH, NBW), mask_i, c, smi, smj, M, DOT)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    den = tl.zeros((BLOCK_M,), tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((OWN, BLOCK_DV), tl.float32)
+    den = tl.zeros((OWN,), tl.float32)
+    for n0 in range(0, N, WALK):
+        n = n0 + tl.arange(0, WALK)
         mask_n = n < N
         fk = _features_of(k_ptr, n, skn, mask_n, d, d < D, ELU).to(DOT)
         a = tl.dot(fq, tl.trans(fk), input_precision=PRECISION)
@@ -116,8 +132,8 @@ def _parallel_kernel(
 def _parallel_grad_kernel(
     q_ptr, k_ptr, v_ptr, mix_ptr, do_ptr, o_ptr, rden_ptr, c_ptr, dx_ptr, dv_ptr, dmix_ptr,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, sob, son, soh, sxb, sxn, sxh, sgb, sgn, sgh, smi, smj,
-    heads, N, M, T, H, W, NBT, NBH, NBW, D: tl.constexpr, DV: tl.constexpr,
-    OWN: tl.constexpr, WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr,
+    heads, M, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
+    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, OWN: tl.constexpr, WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr,
     ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
@@ -129,6 +145,7 @@ def _parallel_grad_kernel(
     launch after it. KEYS: a program owns OWN keys and walks all queries: dk, dv and its share of dmix (the
     queries' one-hot sums E_q^T (dP * A) kept per key, multiplied by the keys' one-hot once, one atomic add of
     the (blocks x blocks) tile)."""
+    N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
     q_ptr = _head(q_ptr, b, h, sqb, sqh)
@@ -211,21 +228,22 @@ def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool) -> bool:
 
 
 def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool):
-    """Sizes and constexprs shared by the forward and backward launches (q, v, mix may be meta tensors: only their
-    shapes and q's type are read)."""
+    """Run-time sizes and the constexprs every launch shares: head dims, and the token and block grids, so that a
+    token's block id costs multiplies, not divisions (a kernel per resolution; this path serves short sequences of
+    few resolutions). q, v, mix may be meta tensors: only their shapes and q's type are read."""
     d, dv, m = q.shape[-1], v.shape[-1], mix.shape[0]
     dot, precision = _dot_types(q.dtype)
-    sizes = (q.shape[2], q.shape[1], m, *grid, *blocks)
-    return sizes, dict(D=d, DV=dv, BLOCK_M=CONFIG["block_m"], BLOCK_N=CONFIG["block_n"], BLOCK_D=max(16, _pow2(d)),
-                       BLOCK_DV=max(16, _pow2(dv)), BLOCK_B=max(16, _pow2(m)), ELU=elu, NORMALIZE=normalize, DOT=dot,
-                       PRECISION=precision, num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+    return (q.shape[2], m), dict(zip(("T", "H", "W", "NBT", "NBH", "NBW"), (*grid, *blocks)), D=d, DV=dv,
+                                 BLOCK_D=max(16, _pow2(d)), BLOCK_DV=max(16, _pow2(dv)), BLOCK_B=max(16, _pow2(m)),
+                                 ELU=elu, NORMALIZE=normalize, DOT=dot, PRECISION=precision)
 
 
-def _grad_tiles(meta: dict, keys: bool) -> dict:
-    """The gradient kernel's owned and walked tiles: queries own BLOCK_M and walk keys by BLOCK_N (dq), keys own
-    BLOCK_N and walk queries by BLOCK_M (dk, dv, dmix)."""
-    tiles = (meta["BLOCK_N"], meta["BLOCK_M"]) if keys else (meta["BLOCK_M"], meta["BLOCK_N"])
-    return dict(OWN=tiles[0], WALK=tiles[1])
+def launch_settings(kernel: str, n: int) -> dict:
+    """OWN, WALK and launch options of `kernel` ("forward", "grad_queries" or "grad_keys") for n tokens (`CONFIG`)."""
+    if kernel == "forward" and n > CONFIG["long_over"]:
+        kernel = "forward_long"
+    cfg = CONFIG[kernel]
+    return dict(OWN=cfg["own"], WALK=cfg["walk"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _strides(*tensors):
@@ -240,8 +258,9 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
-    _parallel_kernel[(batch * heads, triton.cdiv(n, CONFIG["block_m"]))](
-        q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta)
+    tiles = launch_settings("forward", n)
+    _parallel_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
+        q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
     return o, rden
 
 
@@ -255,9 +274,8 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     c = torch.empty_like(rden)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
     for keys, dx in ((False, dq), (True, dk)):
-        tiles = _grad_tiles(meta, keys)
-        launch = {key: value for key, value in meta.items() if key not in ("BLOCK_M", "BLOCK_N")}
+        tiles = launch_settings("grad_keys" if keys else "grad_queries", n)
         _parallel_grad_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
             q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
-            mix.stride(1), *sizes, KEYS=keys, **tiles, **launch)
+            mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
     return dq, dk, dv, dmix

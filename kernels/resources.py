@@ -17,6 +17,7 @@ at the 14B model's 252 blocks, where a program holds its whole 256-row S tile.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ..blocks import resolve_blocks
 from . import mhla, parallel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -75,10 +77,12 @@ KERNELS = {
     # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) on bf16 S at the 14B model's 252 blocks,
     # forward and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand)
     "mix bf16": (mhla._mix_kernel, "mix", {}),
-    # the quadratic form (`parallel.CONFIG`) at DiT-XL/2 512 px: 16 x 72 heads, 30 blocks; fp32 mix
-    "parallel fwd d72": (parallel._parallel_kernel, "parallel", {}),
-    "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False)),
-    "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True)),
+    # the quadratic form (`parallel.CONFIG`) for 16 x 72 heads: DiT-XL/2 256 px (256 tokens, 16 blocks), and the
+    # forward over 256 tokens (24 x 24 tokens, 16 blocks); fp32 mix
+    "parallel fwd d72": (parallel._parallel_kernel, "parallel", dict(grid=(1, 16, 16))),
+    "parallel fwd d72, 576 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 24, 24))),
+    "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False, grid=(1, 16, 16))),
+    "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True, grid=(1, 16, 16))),
 }
 # Blocks and S columns (B*heads*D*Dv) of the mixing row: Wan2.1-14B 720p in its "auto" cut (3, 7, 12), B = 1.
 MIX_BLOCKS, MIX_COLUMNS = 252, 40 * 128 * 128
@@ -143,18 +147,19 @@ def _mix_row(constexprs: dict) -> tuple[dict, dict]:
 
 
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
-    """Arguments and launch options of a quadratic-form row: `parallel._launch_args` at DiT-XL/2 512 px (16 x 72 heads,
-    1,024 tokens, 30 blocks, bf16, normalized, relu), the gradient rows' tiles as `parallel._grad_tiles` gives them,
-    sizes specialized as the JIT specializes them."""
-    grid, blocks = (1, 32, 32), (1, 5, 6)
-    q = torch.empty((1, 1024, 16, 72), dtype=torch.bfloat16, device="meta")
-    sizes, meta = parallel._launch_args(q, q, torch.empty((30, 30), device="meta"), grid, blocks, elu=False,
+    """Arguments and launch options of a quadratic-form row: `parallel._launch_args` and `parallel.launch_settings`
+    for 16 x 72 heads (DiT-XL/2, PixArt) over the grid the row names (bf16, normalized, relu, "auto" blocks), sizes
+    specialized as the JIT specializes them."""
+    grid = constexprs.pop("grid")
+    blocks = resolve_blocks(grid, "auto")
+    n, m = math.prod(grid), math.prod(blocks)
+    q = torch.empty((1, n, 16, 72), dtype=torch.bfloat16, device="meta")
+    sizes, meta = parallel._launch_args(q, q, torch.empty((m, m), device="meta"), grid, blocks, elu=False,
                                         normalize=True)
+    kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
+    meta.update(parallel.launch_settings(kernel, n))
     options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
-    if "KEYS" in constexprs:
-        meta.update(parallel._grad_tiles(meta, constexprs["KEYS"]))
-        del meta["BLOCK_M"], meta["BLOCK_N"]
-    return {**dict(zip(("heads", "N", "M", "T", "H", "W", "NBT", "NBH", "NBW"), sizes)), **meta, **constexprs}, options
+    return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, options
 
 
 def report() -> dict:
@@ -166,7 +171,7 @@ def report() -> dict:
             rows[name] = usage(compile_for_hopper(kernel, *_mix_row(constexprs)))
             continue
         if entry == "parallel":
-            rows[name] = usage(compile_for_hopper(kernel, *_parallel_row(constexprs),
+            rows[name] = usage(compile_for_hopper(kernel, *_parallel_row(dict(constexprs)),
                                                   FP32_POINTERS | {"mix_ptr", "dmix_ptr"}))
             continue
         cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],

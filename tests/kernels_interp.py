@@ -225,12 +225,18 @@ def mix_case():
     return errors
 
 
+SIXTEEN = dict(own=16, walk=16, num_warps=4, num_stages=2)
+# parallel.CONFIG overrides: as shipped; every kernel on 16-token tiles (several blocks in one tile, one block over
+# several); the forward's long-sequence tiles (128 queries) at these short lengths
+PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN),
+                    "long": dict(long_over=0)}
+
+
 def parallel_case():
     """The quadratic form (`op.mhla_parallel`: `parallel.py`; the op takes it for bf16 at short lengths, whose
     products the interpreter computes unreliably) in fp32, o and the q, k, v, mix gradients against the dense fp64
     formula: ragged blocks over three axes, N no multiple of the tiles, D = 72 (DiT's), Dv != D, strided (fused-qkv)
-    q and k, B = 2, both feature maps, with and without the normalizer, and tiles of 16 that put several blocks in
-    one tile and one block over several."""
+    q and k, B = 2, both feature maps, with and without the normalizer, and the tilings of PARALLEL_TILINGS."""
     gen = torch.Generator().manual_seed(5)
     errors = {}
     cases = {"DiT-like D=72, 5x6 blocks": ((1, 12, 14), (1, 5, 6), 72, 72),
@@ -246,9 +252,9 @@ def parallel_case():
                 ref_leaves = [t.double().requires_grad_() for t in (*qk, v, mix)]
                 ref = dense_mhla(*ref_leaves, grid, blocks, normalize=normalize, feature=feature)
                 ref.backward(do.double())
-                for tiles in (64, 16) if feature == "elu" else (64,):
+                for tiles in ("shipped", "16", "long") if feature == "elu" else ("shipped",):
                     leaves = [t.detach().requires_grad_() for t in (*qk, v, mix)]
-                    with overriding(parallel.CONFIG, block_m=tiles, block_n=tiles):
+                    with overriding(parallel.CONFIG, **PARALLEL_TILINGS[tiles]):
                         out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], normalize, 1e-6, feature)
                         out.backward(do)
                     label = f"{name} {feature} normalize={normalize} tiles {tiles}"

@@ -336,7 +336,7 @@ def test_mixing_takes_the_kernel_where_it_measured_faster_and_cublas_elsewhere(t
 
 def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
     """Through `mhla_attention(backend="triton")`: bf16 calls over a whole grid of up to `parallel.CONFIG["max_tokens"]`
-    tokens without gradients (`"max_tokens_with_grad"` with them; DiT-XL/2 256 px's 256) take the quadratic op; with
+    tokens without gradients (576; `"max_tokens_with_grad"`, 256, with them) take the quadratic op; with
     RoPE, for fp32 inputs and past those lengths, the linear path. Calls are recorded, not run (values:
     kernels_interp.py, "parallel form", and `bench op --check` for bf16)."""
     from mhla_diffusion.kernels import op, parallel

@@ -58,8 +58,10 @@ class Shape:
 
 SHAPES = [
     Shape("DiT-XL/2 256px", 16, 72, (1, 16, 16)),
+    Shape("DiT-XL/2 384px", 16, 72, (1, 24, 24)),  # 576 tokens: PixArt's aspect-ratio buckets lie between these
     Shape("DiT-XL/2 512px", 16, 72, (1, 32, 32)),
     Shape("DiT-XL/2 1024px", 16, 72, (1, 64, 64)),
+    Shape("SANA-1.6B 512px", 70, 32, (1, 16, 16)),
     Shape("SANA-1.6B 1K", 70, 32, (1, 32, 32)),
     Shape("SANA-1.6B 4K", 70, 32, (1, 128, 128)),
     Shape("SANA-1.6B-like 4K 20x112", 20, 112, (1, 128, 128)),
