@@ -133,8 +133,8 @@ def _parallel_grad_kernel(
     q_ptr, k_ptr, v_ptr, mix_ptr, do_ptr, o_ptr, rden_ptr, c_ptr, dx_ptr, dv_ptr, dmix_ptr,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, sob, son, soh, sxb, sxn, sxh, sgb, sgn, sgh, smi, smj,
     heads, M, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
-    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, OWN: tl.constexpr, WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr,
-    ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, OWN: tl.constexpr, WALK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
     g = dO / den and c = -(dO . o) / den per query (unnormalized: g = dO, c = 0): dP = g V^T + c, dA = dP * W,
