@@ -37,7 +37,8 @@ from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2
 #   over that 128 queries on 8 warps ("forward_long": 576 tokens 32.4 against 53.2 at 64 x 64 and 38.8 linear;
 #   1,024 tokens 53.6 against 51.0 linear, so the limit without gradients is 576, the longest win measured).
 # - dq: 64 x 64 on 8 warps (15.5 at 256 tokens); dk, dv, dmix: 32 keys walking queries by 64 on 4 warps (26.7
-#   against 31.8 at 64 x 64 on 8). With gradients the form wins at 256 tokens only: at 576 the key kernel alone
+#   against 31.8 at 64 x 64 on 8); for heads of up to 32 features (SANA's) 64 keys (25.4 against 35.9 at SANA-1.6B
+#   512 px; 37.6 against 23.2 at DiT's 72). With gradients the form wins at 256 tokens only: at 576 the key kernel alone
 #   takes 142 us against the linear path's 147 for the whole forward+backward.
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
@@ -45,6 +46,8 @@ CONFIG = {
     "long_over": 256,
     "grad_queries": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "grad_keys": dict(own=32, walk=64, num_warps=4, num_stages=2),
+    "grad_keys_narrow": dict(own=64, walk=64, num_warps=4, num_stages=2),
+    "narrow_up_to": 32,
     "max_tokens": 576,
     "max_tokens_with_grad": 256,
 }
@@ -238,10 +241,13 @@ def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool):
                                  ELU=elu, NORMALIZE=normalize, DOT=dot, PRECISION=precision)
 
 
-def launch_settings(kernel: str, n: int) -> dict:
-    """OWN, WALK and launch options of `kernel` ("forward", "grad_queries" or "grad_keys") for n tokens (`CONFIG`)."""
+def launch_settings(kernel: str, n: int, d: int) -> dict:
+    """OWN, WALK and launch options of `kernel` ("forward", "grad_queries" or "grad_keys") for n tokens of heads of
+    d features (`CONFIG`)."""
     if kernel == "forward" and n > CONFIG["long_over"]:
         kernel = "forward_long"
+    if kernel == "grad_keys" and d <= CONFIG["narrow_up_to"]:
+        kernel = "grad_keys_narrow"
     cfg = CONFIG[kernel]
     return dict(OWN=cfg["own"], WALK=cfg["walk"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -258,7 +264,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
-    tiles = launch_settings("forward", n)
+    tiles = launch_settings("forward", n, q.shape[-1])
     _parallel_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
         q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
     return o, rden
@@ -274,7 +280,7 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     c = torch.empty_like(rden)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
     for keys, dx in ((False, dq), (True, dk)):
-        tiles = launch_settings("grad_keys" if keys else "grad_queries", n)
+        tiles = launch_settings("grad_keys" if keys else "grad_queries", n, q.shape[-1])
         _parallel_grad_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
             q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
             mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)

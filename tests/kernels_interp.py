@@ -228,7 +228,8 @@ def mix_case():
 SIXTEEN = dict(own=16, walk=16, num_warps=4, num_stages=2)
 # parallel.CONFIG overrides: as shipped; every kernel on 16-token tiles (several blocks in one tile, one block over
 # several); the forward's long-sequence tiles (128 queries) at these short lengths
-PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN),
+PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN,
+                                              grad_keys_narrow=SIXTEEN),
                     "long": dict(long_over=0)}
 
 
