@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2
+from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2, _tile
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
 # sequences that take this path, without and with gradients. H200, bf16, 2026-12-03 (kernels/NOTES.md, sessions 32
@@ -77,8 +77,7 @@ def _features_of(x_ptr, n, sn, mask_n, d, mask_d, ELU: tl.constexpr):
 @triton.jit
 def _mix_rows(mix_ptr, block, mask, c, smi, smj, M, DOT: tl.constexpr):
     """G: the mix rows of a tile's tokens (their blocks' rows, columns c < M), in the operand type."""
-    return tl.load(mix_ptr + block[:, None] * smi + c[None, :] * smj, mask=mask[:, None] & (c[None, :] < M),
-                   other=0.0).to(DOT)
+    return _tile(mix_ptr, block, smi, mask, c, smj, c < M).to(DOT)
 
 
 @triton.jit
@@ -137,7 +136,8 @@ def _parallel_grad_kernel(
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, sob, son, soh, sxb, sxn, sxh, sgb, sgn, sgh, smi, smj,
     heads, M, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
     NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, OWN: tl.constexpr, WALK: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr,
+    KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
     g = dO / den and c = -(dO . o) / den per query (unnormalized: g = dO, c = 0): dP = g V^T + c, dA = dP * W,

@@ -157,7 +157,7 @@ def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     sizes, meta = parallel._launch_args(q, q, torch.empty((m, m), device="meta"), grid, blocks, elu=False,
                                         normalize=True)
     kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
-    meta.update(parallel.launch_settings(kernel, n, 72))
+    meta.update(parallel.launch_settings(kernel, n, q.shape[-1]))
     options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
     return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, options
 
