@@ -428,25 +428,26 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 
 @triton.jit
-def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, ROWS, MP, ssb, ssf,
+def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, MP, ssb, ssf,
                 BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, MP) mix in s's type, zero beyond column M, MP a multiple of 16 that
-    lets its row loads vectorize; (M, F) s, contiguous (M, F) out) for the BLOCK_F columns of grid axis 0 and the
-    ROWS rows of axis 1, fp32 accumulate (bf16 s in the op; fp32 s multiplies in TF32). The (M x BLOCK_F) tile of s
-    (M <= BLOCK_K) is loaded once and each BLOCK_M row block is one product against it. Row offsets into s and out
-    are int64: M * F passes 2^31 for long videos."""
-    pid_f, pid_r = tl.program_id(0), tl.program_id(1)
-    f = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask_f = f < F
+    lets its row loads vectorize; (M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op; fp32 s
+    multiplies in TF32). Row-stationary: the program holds the BLOCK_M rows of grid axis 0 of mix over all M <=
+    BLOCK_K columns (loaded once, kept in shared memory) and walks the BLOCK_F column tiles of s from axis 1's index
+    in steps of axis 1's size, the launch's num_stages tiles in flight; the programs of one walk, one per row block,
+    are adjacent in launch order, so each S tile comes from HBM once and from L2 for the other row blocks. Row
+    offsets into s and out are int64: M * F passes 2^31 for long videos."""
+    r, p = tl.program_id(0), tl.program_id(1)
+    i = r * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_i = i < M
+    out_rows = out_ptr + i.to(tl.int64)[:, None] * F
     k = tl.arange(0, BLOCK_K)
-    s = _tile(s_ptr, k.to(tl.int64), ssb, k < M, f, ssf, mask_f)
-    r0 = pid_r * ROWS
-    for r in range(r0, tl.minimum(r0 + ROWS, M), BLOCK_M):
-        i = r + tl.arange(0, BLOCK_M)
-        mask_i = i < M
-        acc = tl.dot(_tile(mix_ptr, i, MP, mask_i, k, 1, k < MP), s)
-        tl.store(out_ptr + i.to(tl.int64)[:, None] * F + f[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_i[:, None] & mask_f[None, :])
+    a = _tile(mix_ptr, i, MP, mask_i, k, 1, k < MP)
+    for t in range(p, tl.cdiv(F, BLOCK_F), tl.num_programs(1)):
+        f = t * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask_f = f < F
+        acc = tl.dot(a, _tile(s_ptr, k.to(tl.int64), ssb, k < M, f, ssf, mask_f))
+        tl.store(out_rows + f[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -506,18 +507,18 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 
 # Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md); "programs"
 # is how many programs to aim for (tokens per program follow from it); "maxnreg" caps registers per
-# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_launch`): 64-row blocks against 64-column S tiles
-# on 4 warps; a program holds the S tile of up to "max_blocks" blocks (more take cuBLAS: `mixes_with_kernel`). H200,
-# session 29 sweep (BENCHMARKS.md), bf16 S, us, 128 -> 64 columns: 180 blocks 92.0 -> 87.3, 252: 361.7 -> 337.2,
-# 121: 50.2 -> 50.4, 60: 18.8 -> 20.4; one row block per program (row_blocks 1) was slower everywhere over 64 blocks
-# (180: 146.2). A K loop (64 x 128 tiles, 64-row steps, 3 stages) beat it at 180 blocks (81.3) and SANA 4K's 121
-# (16.9 vs 18.6) and lost elsewhere; it is not in the kernel (kernels/NOTES.md, session 29).
+# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_launch`): a program holds 64 rows of mix and walks
+# 64-column S tiles on 4 warps, 4 tiles in flight, 264 programs; over "wide_over" blocks, 128 rows on 8 warps ("wide");
+# up to "max_blocks" blocks (more take cuBLAS: `mixes_with_kernel`). H200, session 34 sweeps (BENCHMARKS.md), bf16 S,
+# us, session 29's kernel (a program per S tile, all rows) -> this: 180 blocks 89.0 -> 64.0, 252: 343.5 -> 263.4
+# (wide: 232.3), 121 (SANA 4K): 17.8 -> 13.2, 60: 20.3 -> 15.2; wide at 180 blocks 67.5, at 256 13.9 (not wide 15.3).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
-    "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "row_blocks": None, "num_warps": 4, "num_stages": 2},
+    "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
+            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
 # memory per token tile than the plain kernel).
@@ -697,15 +698,16 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _mix_launch(m: int) -> tuple[int, dict]:
-    """Rows per program and the launch arguments of `_mix_kernel` at M <= CONFIG["mix"]["max_blocks"] blocks: a
-    program takes all M rows of its F tile ("row_blocks": None; an integer caps it), so it reads its S tile once
-    and M / 64 row blocks multiply it."""
-    cfg = CONFIG["mix"]
+def _mix_launch(m: int, f: int) -> tuple[tuple[int, int], dict]:
+    """Grid and launch arguments of `_mix_kernel` for (M x M) @ (M x F) at M <= CONFIG["mix"]["max_blocks"]: a
+    program per row block and walk, CONFIG["mix"]["programs"] programs in all (fewer where F has fewer tiles), with
+    the "wide" settings over "wide_over" blocks."""
+    cfg = {**CONFIG["mix"], **(CONFIG["mix"]["wide"] if m > CONFIG["mix"]["wide_over"] else {})}
     block_m = max(16, min(cfg["block_m"], _pow2(m)))
-    row_blocks = cfg["row_blocks"] or triton.cdiv(m, block_m)
-    return row_blocks * block_m, dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=max(16, _pow2(m)),
-                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    row_blocks = triton.cdiv(m, block_m)
+    walks = max(1, min(triton.cdiv(f, cfg["block_f"]), cfg["programs"] // row_blocks))
+    return (row_blocks, walks), dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=max(16, _pow2(m)),
+                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -726,19 +728,18 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     m = s.shape[0]
     a = _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
-    rows, launch = _mix_launch(m)
-    _mix_kernel[(triton.cdiv(flat.shape[1], launch["BLOCK_F"]), triton.cdiv(m, rows))](
-        a, flat, out, m, flat.shape[1], rows, a.stride(0), flat.stride(0), flat.stride(1), **launch)
+    grid, launch = _mix_launch(m, flat.shape[1])
+    _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **launch)
     return out.view(s.shape)
 
 
 def mixes_with_kernel(s: torch.Tensor) -> bool:
     """Whether `mix_blocks` takes `_mix_kernel`: for bf16 summaries (fp16 inputs keep fp32 S; z is fp32) at up to
     CONFIG["mix"]["max_blocks"] blocks that are no multiple of 8, or up to 32. H200, bf16 S, CUDA-graph replay, us,
-    cuBLAS -> kernel (BENCHMARKS.md, session 29): M = 16: 8.1 -> 5.3, 30: 11.6 -> 7.3, 60: 24.1 -> 20.4, 121: 91.1
-    -> 50.4, 180: 109.0 -> 87.3, 252: 474 -> 337; but 64: 7.3 -> 9.3, 120: 94.0 -> 117, 256 (F = 24,576): 9.7 ->
-    18.4, and fp32 z at all but 16 blocks (cuBLAS 3.2-12.6 us, the kernel's best 3.8-21.7; 16: 4.7 vs 3.8). Not
-    timed: 8 and 24 blocks (taken with 16 and 30), and over 256 (cuBLAS, which won at 512: 10.4 vs 17.4)."""
+    cuBLAS -> kernel (BENCHMARKS.md, session 34): M = 16: 8.1 -> 4.7, 30: 11.4 -> 6.4, 60: 23.8 -> 15.2, 121: 90.5 ->
+    39.2, 180: 108.1 -> 64.0, 252: 472.0 -> 232.3; ties at 64 (7.3 -> 7.4) and 120 (94.8 -> 95.4), cuBLAS at 256
+    (F = 24,576: 9.8 -> 13.9); fp32 z lost at all but 16 blocks (session 29). Not timed: 8 and 24 blocks (taken with
+    16 and 30), and over 256 (cuBLAS, which won at 512 in session 29)."""
     m = s.shape[0]
     return s.dtype == torch.bfloat16 and m <= CONFIG["mix"]["max_blocks"] and (m <= 32 or m % 8 != 0)
 

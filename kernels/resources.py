@@ -11,7 +11,7 @@ the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-b
 local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
 Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
 per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's row (`mhla.CONFIG["mix"]`) is
-at the 14B model's 252 blocks, where a program holds its whole 256-row S tile.
+at the 14B model's 252 blocks, where a program holds 64 rows of mix over all 256 (padded) columns.
 """
 
 from __future__ import annotations
@@ -139,10 +139,9 @@ def usage(compiled) -> dict:
 def _mix_row(constexprs: dict) -> tuple[dict, dict]:
     """Arguments and launch options of the mixing row: `mhla._mix_launch` at MIX_BLOCKS, mix as `mhla._mix_operand`
     lays it out (zero-padded to 16 columns) and contiguous S, specialized as the JIT specializes them."""
-    rows, launch = mhla._mix_launch(MIX_BLOCKS)
+    _, launch = mhla._mix_launch(MIX_BLOCKS, MIX_COLUMNS)
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
-    sizes = dict(M=MIX_BLOCKS, F=MIX_COLUMNS, ROWS=rows, MP=triton.cdiv(MIX_BLOCKS, 16) * 16, ssb=MIX_COLUMNS,
-                 ssf=1)
+    sizes = dict(M=MIX_BLOCKS, F=MIX_COLUMNS, MP=triton.cdiv(MIX_BLOCKS, 16) * 16, ssb=MIX_COLUMNS, ssf=1)
     return {**sizes, **launch, **constexprs}, options
 
 

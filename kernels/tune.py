@@ -32,7 +32,7 @@ SHAPES = {
 SWEEP = {
     "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "programs": (256, 1024, 4096),
     "max_dv": (64, 128), "block_k": (32, 64, 128), "maxnreg": (None, 128, 168),
-    "block_f": (64, 128, 256), "row_blocks": (None, 1, 2),
+    "block_f": (64, 128),
 }
 KERNEL_STAGES = {
     "summary": ("fwd: summaries", "bwd: dS~ summaries"),

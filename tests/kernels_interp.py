@@ -208,16 +208,16 @@ def overriding(cfg: dict, **values):
 
 def mix_case():
     """The mixing kernel (`mhla.mix_with_kernel`; the op takes it for bf16 summaries, whose products the interpreter
-    computes unreliably) at 1 to 256 blocks (`CONFIG["mix"]["max_blocks"]`) with a program's S tile against all rows
-    or one row block, with mix and the backward's strided mix^T, on fp32 S (F a multiple of the column tile) and z
-    (F no multiple of it), against the fp64 product. The interpreter multiplies them in IEEE fp32."""
+    computes unreliably) at 1 to 256 blocks (`CONFIG["mix"]["max_blocks"]`) with each program on one S tile or one
+    program per row block walking them all, with mix and the backward's strided mix^T, on fp32 S (F a multiple of the
+    column tile) and z (F no multiple of it), against the fp64 product. The interpreter multiplies them in IEEE fp32."""
     gen = torch.Generator().manual_seed(7)
     errors = {}
     for m in (1, 2, 7, 16, 60, 130, 252, 256):  # 16, 256: multiples of 16, where mix needs no padding
         mix = torch.rand(m, m, generator=gen)
         summaries = {"S": torch.randn(m, 3, 16, 8, generator=gen), "z": torch.rand(m, 3, 20, generator=gen)}
-        for tiling, row_blocks in {"all rows": None, "row block": 1}.items():
-            with overriding(mhla.CONFIG["mix"], row_blocks=row_blocks):
+        for tiling, programs in {"a tile each": mhla.CONFIG["mix"]["programs"], "one walk": 1}.items():
+            with overriding(mhla.CONFIG["mix"], programs=programs):
                 for mat_name, mat in (("mix", mix), ("mix^T", mix.t())):
                     for name, x in summaries.items():
                         ref = torch.einsum("ij,j...->i...", mat.double(), x.double())

@@ -298,7 +298,7 @@ def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, m,
     assert all(math.prod(shape) <= m * 16 for shape in shapes), shapes  # nothing the size of the summaries
     [(args, kwargs)] = launches
     padded = args[0]
-    assert padded.dtype == s.dtype and padded.shape == (m, 16) and padded.stride() == (16, 1) and args[6] == 16
+    assert padded.dtype == s.dtype and padded.shape == (m, 16) and padded.stride() == (16, 1) and args[5] == 16
     assert torch.equal(padded[:, :m], mat.detach().to(s.dtype)) and not padded[:, m:].any()
     assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (m, 4 * 8 * 8)
     assert out.shape == s.shape and out.dtype == s.dtype
