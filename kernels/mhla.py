@@ -520,11 +520,12 @@ CONFIG = {
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}},
 }
-# Overrides of a kernel's CONFIG entry for its RoPE variant (fp32 cos/sin tiles: more registers and shared
-# memory per token tile than the plain kernel).
-# grad: 16 warps, 1 stage (H200, 2026-12-01: the dk/dv kernel spilled 1,240 bytes at 4 warps and 2 stages; op f+b as
-# Wan uses it 7.31 -> 6.62 ms at 14B 720p with 8 warps, 1 stage, 6.59 -> 6.53 with 16; kernels/NOTES.md, fifth pass).
-ROPE_CONFIG = {"summary": {}, "output": {}, "grad": {"num_warps": 16, "num_stages": 1}}
+# Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
+# per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
+# as Wan uses it, fwd / f+b ms; kernels/NOTES.md): grad 16 warps, 1 stage (the fifth pass's choice with fp32 tables,
+# no async copies) -> 8 warps, 2 stages: 1.3B 480p 0.303 / 1.268 -> 0.303 / 1.171, 14B 720p 1.649 / 7.085 -> 1.653 /
+# 6.421; then the output kernel on 4 warps: 0.297 / 1.162, 1.610 / 6.394 (the plain op: 0.314 / 1.153, 1.713 / 6.223).
+ROPE_CONFIG = {"summary": {}, "output": {"num_warps": 4}, "grad": {"num_warps": 8, "num_stages": 2}}
 # Overrides of a kernel's CONFIG entry for bf16 calls without RoPE whose blocks hold at most SHORT_BLOCK tokens (DiT-XL/2
 # and PixArt up to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth, sets the time.
 # H200, 2026-12-01 (`tune.py --sweep short`, whole op, GPU time, fwd / f+b): DiT-XL/2 512 px 0.057 / 0.290 ->

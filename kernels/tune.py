@@ -122,9 +122,13 @@ def tune(kernel: str, shape: str) -> None:
 ROPE_CANDIDATES = {
     # 2026-12-01, first sweep (H200): {} (4 warps, 2 stages), {8, 1} (kept), {8, 2}, {block_n 32, 8, 2}; summary
     # {}, {stages 2}, {block_n 16}, {stages 2, no register cap}: none beat {}. Second sweep, below: grad {16, 1} kept
-    # (~1 % over {8, 1}), summary {} kept (kernels/NOTES.md, fifth pass).
-    "grad": ({"num_warps": 8, "num_stages": 1}, {"num_warps": 16, "num_stages": 1}, {"num_warps": 16, "num_stages": 2}),
-    "summary": ({}, {"num_warps": 16, "maxnreg": None}),
+    # (~1 % over {8, 1}), summary {} kept (kernels/NOTES.md, fifth pass). Third sweep (session 34), with the bf16
+    # tables the op has passed since the fifth pass (sm_90 on CPU: grad dk/dv at 16 warps, 2 stages keeps 126
+    # registers and gets async copies, which 1 stage has none of; 32 tokens on 8 warps, 128 registers, no spill).
+    "grad": ({"num_warps": 16, "num_stages": 1}, {"num_warps": 16, "num_stages": 2}, {"num_warps": 8, "num_stages": 2},
+             {"block_n": 32, "num_warps": 8, "num_stages": 2}),
+    "summary": ({}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64}),
+    "output": ({}, {"num_warps": 4}),
 }
 # Overrides tried for short blocks (mhla.SHORT_CONFIG): one or two token tiles a program. 2026-12-01, first sweep
 # (H200, dit512 dit1024 sana1k): summary {block_n 64, 2 stages}, output {block_n 16, 4 warps}, grad {block_n 32}
