@@ -142,10 +142,10 @@ def test_triton_takes_what_it_supports_under_the_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_norms_are_fused_only_without_autograd_or_autocast_and_the_backend_fits_what_they_return(autocast, monkeypatch):
-    """Under autocast the norms return fp32 q, k for bf16 v: they run first and the backend is chosen for what they
-    return (the reference, as before the norms moved into the op), not fused on the Triton path chosen for the bf16
-    inputs. Without autocast and autograd the Triton path applies them itself."""
+def test_norms_are_fused_only_without_autograd_or_autocast_and_autocast_runs_the_op_in_its_type(autocast, monkeypatch):
+    """Under autocast the norms run first, in PyTorch, and the op then runs in autocast's type, as SDPA does: norms
+    that return fp32 q, k beside bf16 v leave it the Triton path in bf16 (it took the PyTorch reference, which the
+    Triton path's one-dtype rule left it). Without autocast and autograd the Triton path applies the norms itself."""
     from mhla_diffusion.ops.norms import Norms
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -158,13 +158,13 @@ def test_norms_are_fused_only_without_autograd_or_autocast_and_the_backend_fits_
     monkeypatch.setitem(dispatch.BACKENDS, "triton", dispatch.Backend(record("triton"), triton.constraints,
                                                                       record("triton, norms on the way")))
     monkeypatch.setitem(dispatch.BACKENDS, "torch", dispatch.Backend(record("torch"), torch_backend.constraints))
-    monkeypatch.setattr(Norms, "inputs", lambda self, q, k: (q.float(), k.float()))  # as autocast's rms_norm does
+    monkeypatch.setattr(Norms, "inputs", lambda self, q, k: (q.float(), k.float()))  # norms returning fp32
     q, k, v = _inputs(d=16, dv=16, dtype=torch.bfloat16)
     norms = Norms(torch.ones(32), torch.ones(32), 1e-6)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         dispatch.mhla_op(q, k, v, locality_mix((1, 2, 2)).float(), block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(),
                          norms=norms)
-    assert ran == ([("torch", torch.float32)] if autocast else [("triton, norms on the way", torch.bfloat16)])
+    assert ran == ([("triton", torch.bfloat16)] if autocast else [("triton, norms on the way", torch.bfloat16)])
 
 
 def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_feature):

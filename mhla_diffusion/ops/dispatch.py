@@ -138,12 +138,22 @@ def choose(backend: str, q, k, v, geometry, options) -> Backend:
 
 def _fuses(chosen: Backend, norms: Norms, q, k, v, mix, rope, group) -> bool:
     """Whether `chosen` applies `norms` itself: kernels that do, an unsharded call, weights on q's device, no
-    autocast (which runs the norms in fp32, and the op then on what they return), and no gradient wanted (the
+    autocast (the norms then run in PyTorch and the op in autocast's type), and no gradient wanted (the
     fused norms are forward only)."""
     tensors = (q, k, v, mix, *norms.tensors, *(rope or ()))
     return (chosen.run_with_norms is not None and group is None and all(t.device == q.device for t in norms.tensors)
             and not torch.is_autocast_enabled(q.device.type)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def _autocast_inputs(q, k, v):
+    """q, k, v in autocast's type where autocast is on for their device, as autocast hands SDPA its inputs: a layer
+    whose q, k come out fp32 beside bf16 v (a norm that returns fp32) ran the PyTorch reference, which the Triton path
+    refuses mixed types for. (torch 2.11's rms_norm returns bf16 under bf16 autocast, on CPU and CUDA alike.)"""
+    if not torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) for t in (q, k, v))
 
 
 def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, geometry: BlockGeometry,
@@ -158,6 +168,7 @@ def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor
         chosen = choose(backend, q, k, v, geometry, options)
         if _fuses(chosen, norms, q, k, v, mix, rope, group):
             return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
-        q, k = norms.inputs(q, k)  # the backend is then chosen for what the norms return (fp32 under autocast)
+        q, k = norms.inputs(q, k)
+    q, k, v = _autocast_inputs(q, k, v)
     out = choose(backend, q, k, v, geometry, options).run(q, k, v, mix, geometry, options, rope, group)
     return out if norms is None else norms.output(out)
