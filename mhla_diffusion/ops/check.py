@@ -47,6 +47,9 @@ CASES = [
     ("wan-1.3b-480p rope unnorm, model's blocks", 12, 128, 128, (21, 30, 52), "auto",
      {"normalize": False, "rope": True, "norms": True}),
     ("many blocks (512)", 2, 64, 64, (4, 32, 32), (2, 16, 16), {}),
+    # a converted Wan2.1-14B's 252 blocks at 720p: the mixing kernel's 128-row blocks (over 192), two of its 40 heads
+    ("wan-14b-720p rope unnorm, model's blocks, 2 heads", 2, 128, 128, (21, 45, 80), "auto",
+     {"normalize": False, "rope": True}),
 ]
 
 
