@@ -431,12 +431,13 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, MP, ssb, ssf,
                 BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, MP) mix in s's type, zero beyond column M, MP a multiple of 16 that
-    lets its row loads vectorize; (M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op; fp32 s
-    multiplies in TF32). Row-stationary: the program holds the BLOCK_M rows of grid axis 0 of mix over all M <=
-    BLOCK_K columns (loaded once, kept in shared memory) and walks the BLOCK_F column tiles of s from axis 1's index
-    in steps of axis 1's size, the launch's num_stages tiles in flight; the programs of one walk, one per row block,
-    are adjacent in launch order, so each S tile comes from HBM once and from L2 for the other row blocks. Row
-    offsets into s and out are int64: M * F passes 2^31 for long videos."""
+    lets its row loads vectorize; (M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op, where
+    `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32).
+    Row-stationary: the program holds the BLOCK_M rows of grid axis 0 of mix over all M <= BLOCK_K columns (loaded
+    once, kept in shared memory) and walks the BLOCK_F column tiles of s from axis 1's index in steps of axis 1's
+    size, the launch's num_stages tiles in flight; the programs of one walk, one per row block, are adjacent in
+    launch order, so each S tile comes from HBM once and from L2 for the other row blocks. Row offsets into s and
+    out are int64: M * F passes 2^31 for long videos."""
     r, p = tl.program_id(0), tl.program_id(1)
     i = r * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_i = i < M
@@ -699,16 +700,34 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _mix_launch(m: int, f: int) -> tuple[tuple[int, int], dict]:
+# Shared memory a program may opt into on an H200 (and H100): the launch settings' reference, and the budget assumed
+# off the GPU (the interpreter; `resources.py`'s sm_90 compiles).
+HOPPER_SHARED_MEMORY = 232_448
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may opt into on `device` (HOPPER_SHARED_MEMORY off CUDA)."""
+    if device.type != "cuda":
+        return HOPPER_SHARED_MEMORY
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _mix_launch(m: int, f: int, element_size: int = 2,
+                shared: int = HOPPER_SHARED_MEMORY) -> tuple[tuple[int, int], dict]:
     """Grid and launch arguments of `_mix_kernel` for (M x M) @ (M x F) at M <= CONFIG["mix"]["max_blocks"]: a
     program per row block and walk, CONFIG["mix"]["programs"] programs in all (fewer where F has fewer tiles), with
-    the "wide" settings over "wide_over" blocks."""
+    the "wide" settings over "wide_over" blocks, and as many of CONFIG's stages as fit in `shared` bytes: each holds
+    an S tile, beside the program's mix rows and its output tile's staging (the sm_90 compiles' shared memory to the
+    byte: 172,032 at 180 blocks, 212,992 at 252; an A100's 166,912 takes 2 stages at 252 blocks, 3 at 180)."""
     cfg = {**CONFIG["mix"], **(CONFIG["mix"]["wide"] if m > CONFIG["mix"]["wide_over"] else {})}
     block_m = max(16, min(cfg["block_m"], _pow2(m)))
+    block_k = max(16, _pow2(m))
     row_blocks = triton.cdiv(m, block_m)
     walks = max(1, min(triton.cdiv(f, cfg["block_f"]), cfg["programs"] // row_blocks))
-    return (row_blocks, walks), dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=max(16, _pow2(m)),
-                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    fixed = block_m * (block_k + cfg["block_f"]) * element_size
+    stages = max(1, min(cfg["num_stages"], (shared - fixed) // (block_k * cfg["block_f"] * element_size)))
+    return (row_blocks, walks), dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=block_k,
+                                     num_warps=cfg["num_warps"], num_stages=stages)
 
 
 def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -729,7 +748,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     m = s.shape[0]
     a = _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
-    grid, launch = _mix_launch(m, flat.shape[1])
+    grid, launch = _mix_launch(m, flat.shape[1], s.element_size(), shared_memory(s.device))
     _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **launch)
     return out.view(s.shape)
 

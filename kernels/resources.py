@@ -11,7 +11,7 @@ the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-b
 local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
 Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
 per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's row (`mhla.CONFIG["mix"]`) is
-at the 14B model's 252 blocks, where a program holds 64 rows of mix over all 256 (padded) columns.
+at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over all 256 (padded) columns.
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def _tool(name: str) -> str:
     return path
 
 
-def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP32_POINTERS):
-    """The kernel compiled for sm_90 with `constexprs` fixed and the other arguments typed as a call passes them.
+def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP32_POINTERS, target=HOPPER):
+    """The kernel compiled for sm_90 (or `target`) with `constexprs` fixed and the other arguments typed as a call
+    passes them.
 
     A value given for an integer the kernel does not declare constexpr (a stride, a head dim) is specialized as the
     JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown."""
@@ -116,7 +117,7 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP
             signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
         if arg.endswith("_ptr") or DIVISIBLE.match(arg):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, fixed, attrs), target=HOPPER, options=options)
+    return triton.compile(ASTSource(kernel, signature, fixed, attrs), target=target, options=options)
 
 
 def usage(compiled) -> dict:

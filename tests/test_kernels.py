@@ -213,11 +213,33 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
-    row = rows["mix bf16"]  # a program's whole 256-row S tile: 16-byte loads (no 2-byte mix loads either), no
-    # spill, and within the H200's 232,448 bytes of shared memory per program
+    row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill, and within the H200's 232,448
+    # bytes of shared memory per program
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
     assert int(row["smem B"]) <= 232448, row
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
+
+
+@pytest.mark.parametrize(("card", "capability", "shared"), [("H200", 90, 232_448), ("A100", 80, 166_912)])
+def test_mixing_kernel_takes_the_stages_that_fit_the_cards_shared_memory(card, capability, shared):
+    """The mixing GEMM's launch at a converted Wan's 180 and 252 blocks: a program per row block and walk (64 rows on
+    4 warps; 128 on 8 over CONFIG's "wide_over"), and the pipeline stages that fit the card: CONFIG's 4 on an H200,
+    fewer on an A100, where the H200's settings asked for 212,992 bytes at 252 blocks and failed to launch. Compiled
+    for each card's architecture on this CPU: the binary's shared memory fits."""
+    from triton.backends.compiler import GPUTarget
+
+    from mhla_diffusion.kernels import mhla, resources
+
+    columns = 12 * 128 * 128
+    for m, grid, rows, warps in ((180, (3, 88), 64, 4), (252, (2, 132), 128, 8)):
+        got, launch = mhla._mix_launch(m, columns, 2, shared)
+        assert got == grid and (launch["BLOCK_M"], launch["num_warps"]) == (rows, warps)
+        assert (launch["num_stages"] == mhla.CONFIG["mix"]["num_stages"]) == (card == "H200")
+        options = {key: launch.pop(key) for key in ("num_warps", "num_stages")}
+        sizes = dict(M=m, F=columns, MP=-(-m // 16) * 16, ssb=columns, ssf=1)
+        compiled = resources.compile_for_hopper(mhla._mix_kernel, {**sizes, **launch}, options,
+                                                target=GPUTarget("cuda", capability, 32))
+        assert compiled.metadata.shared <= shared, (m, options, compiled.metadata.shared)
 
 
 def test_launch_sweep_keeps_each_kernels_fastest_override(monkeypatch):
