@@ -141,8 +141,10 @@ def test_triton_takes_what_it_supports_under_the_interpreter(monkeypatch):
     assert chosen is dispatch.BACKENDS["triton"]
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_norms_are_fused_only_without_autograd_or_autocast_and_autocast_runs_the_op_in_its_type(autocast, monkeypatch):
+def test_norms_are_fused_only_without_autograd_or_autocast_and_autocast_runs_the_op_in_its_type(autocast, backend,
+                                                                                                monkeypatch):
     """Under autocast the norms run first, in PyTorch, and the op then runs in autocast's type, as SDPA does: norms
     that return fp32 q, k beside bf16 v leave it the Triton path in bf16 (it took the PyTorch reference, which the
     Triton path's one-dtype rule left it). Without autocast and autograd the Triton path applies the norms itself."""
@@ -163,8 +165,23 @@ def test_norms_are_fused_only_without_autograd_or_autocast_and_autocast_runs_the
     norms = Norms(torch.ones(32), torch.ones(32), 1e-6)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         dispatch.mhla_op(q, k, v, locality_mix((1, 2, 2)).float(), block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions(),
-                         norms=norms)
+                         norms=norms, backend=backend)
     assert ran == ([("triton", torch.bfloat16)] if autocast else [("triton, norms on the way", torch.bfloat16)])
+
+
+def test_under_autocast_the_op_returns_autocasts_type_but_for_fp64_and_meta_tensors_run():
+    """As autocast treats SDPA: fp32 inputs under bf16 autocast give a bf16 output (close to the fp32 one), fp64
+    inputs stay fp64; tensors on the meta device, which has no autocast, still give a meta output."""
+    mix = locality_mix((1, 2, 2)).float()
+    q, k, v = _inputs(d=16, dv=16)
+    exact = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mhla_attention(q, k, v, mix, (1, 3, 4), (1, 2, 2))
+        wide = mhla_attention(q.double(), k.double(), v.double(), mix.double(), (1, 3, 4), (1, 2, 2))
+    assert out.dtype == torch.bfloat16 and ((out.float() - exact).norm() / exact.norm()).item() < 2e-2
+    assert wide.dtype == torch.float64 and torch.allclose(wide.float(), exact, atol=1e-5)
+    meta = [t.to("meta") for t in (q, k, v, mix)]
+    assert mhla_attention(*meta, (1, 3, 4), (1, 2, 2)).device.type == "meta"
 
 
 def test_unsupported_feature_map_falls_back_to_the_reference(monkeypatch, cubed_feature):
@@ -193,8 +210,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     take the warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM) with async-
     copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim (72, no multiple
     of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they were scalar 2-byte
-    loads without async copies (the JIT marks only multiples of 16). The mixing GEMM holds a 256-row S tile (the 14B
-    model's 252 blocks) in bf16 without spilling and fits in shared memory."""
+    loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's 252 blocks
+    (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared memory."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])

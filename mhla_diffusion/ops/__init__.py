@@ -47,7 +47,8 @@ def mhla_attention(
     that cannot take the call raises a ValueError saying why.
     group: a process group whose ranks each hold a contiguous slice of the N tokens (context parallel);
     q, k, v (and rope) are then this rank's slice, and every rank must call together.
-    Returns (B, N, heads, D_v) in v's dtype; accumulation is fp32 (fp64 for fp64 inputs).
+    Returns (B, N, heads, D_v) in v's dtype (under autocast, as SDPA: q, k, v but fp64 ones in autocast's type);
+    accumulation is fp32 (fp64 for fp64 inputs).
     """
     return mhla_op(q, k, v, mix, block_geometry(grid, blocks), MHLAOptions(normalize, eps, feature), rope=rope,
                    backend=backend, group=group)

@@ -137,23 +137,29 @@ def choose(backend: str, q, k, v, geometry, options) -> Backend:
 
 
 def _fuses(chosen: Backend, norms: Norms, q, k, v, mix, rope, group) -> bool:
-    """Whether `chosen` applies `norms` itself: kernels that do, an unsharded call, weights on q's device, no
-    autocast (the norms then run in PyTorch and the op in autocast's type), and no gradient wanted (the
-    fused norms are forward only)."""
+    """Whether `chosen` applies `norms` itself (asked outside autocast only): kernels that do, an unsharded call,
+    weights on q's device, and no gradient wanted (the fused norms are forward only)."""
     tensors = (q, k, v, mix, *norms.tensors, *(rope or ()))
     return (chosen.run_with_norms is not None and group is None and all(t.device == q.device for t in norms.tensors)
-            and not torch.is_autocast_enabled(q.device.type)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
-def _autocast_inputs(q, k, v):
-    """q, k, v in autocast's type where autocast is on for their device, as autocast hands SDPA its inputs: a layer
-    whose q, k come out fp32 beside bf16 v (a norm that returns fp32) ran the PyTorch reference, which the Triton path
-    refuses mixed types for. (torch 2.11's rms_norm returns bf16 under bf16 autocast, on CPU and CUDA alike.)"""
-    if not torch.is_autocast_enabled(q.device.type):
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The type autocast runs attention in on `device`, or None where it is off (or has no autocast: meta)."""
+    kind = device.type
+    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def _autocast_inputs(q, k, v, dtype: Optional[torch.dtype]):
+    """q, k, v as autocast hands SDPA its inputs: floating tensors but fp64 in autocast's type, so the output is in
+    that type too. A layer whose q, k come out fp32 beside bf16 v (a norm that returns fp32) ran the PyTorch
+    reference, as the Triton path takes one dtype only. (torch 2.11's rms_norm returns bf16 under bf16 autocast,
+    on CPU and CUDA alike.)"""
+    if dtype is None:
         return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
-    return tuple(t.to(dtype) for t in (q, k, v))
+    return tuple(t if t.dtype == torch.float64 else t.to(dtype) for t in (q, k, v))
 
 
 def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, geometry: BlockGeometry,
@@ -164,11 +170,13 @@ def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor
     way where they can (`_fuses`), in PyTorch before and after otherwise."""
     sharded = group is not None
     check_inputs(q, k, v, mix, geometry, sharded)
+    autocast = _autocast_dtype(q.device)
     if norms is not None:
-        chosen = choose(backend, q, k, v, geometry, options)
-        if _fuses(chosen, norms, q, k, v, mix, rope, group):
-            return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
+        if autocast is None:  # under autocast the norms run first, and the op in autocast's type
+            chosen = choose(backend, q, k, v, geometry, options)
+            if _fuses(chosen, norms, q, k, v, mix, rope, group):
+                return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
         q, k = norms.inputs(q, k)
-    q, k, v = _autocast_inputs(q, k, v)
+    q, k, v = _autocast_inputs(q, k, v, autocast)
     out = choose(backend, q, k, v, geometry, options).run(q, k, v, mix, geometry, options, rope, group)
     return out if norms is None else norms.output(out)
