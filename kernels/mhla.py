@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ..blocks import BlockGeometry
+from .fitting import launch_within_card
 
 # Largest tile edge for a summary accumulator, and largest D x Dv tile a program keeps.
 MAX_TILE = 128
@@ -506,9 +507,10 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
     return cos, sin, (cos.stride(0), cos.stride(1), cos.stride(2), cos.stride(3))
 
 
-# Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md); "programs"
+# Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md; a card with less shared memory
+# per program takes them stepped down, `fitting.launch_within_card`); "programs"
 # is how many programs to aim for (tokens per program follow from it); "maxnreg" caps registers per
-# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_launch`): a program holds 64 rows of mix and walks
+# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_settings`): a program holds 64 rows of mix and walks
 # 64-column S tiles on 4 warps, 4 tiles in flight, 264 programs; over "wide_over" blocks, 128 rows on 8 warps ("wide");
 # up to "max_blocks" blocks (more take cuBLAS: `mixes_with_kernel`). H200, session 34 sweeps (BENCHMARKS.md), bf16 S,
 # us, session 29's kernel (a program per S tile, all rows) -> this: 180 blocks 89.0 -> 64.0, 252: 343.5 -> 263.4
@@ -604,24 +606,29 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
     block_dv = min(_pow2(g.DV), cfg["max_dv"])
     d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
-    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count * d_tiles * dv_tiles, cfg["programs"])
-    splits = triton.cdiv(g.max_len, tok)
     state = dtype or state_dtype(x.dtype)
-    s = _summary_buffer((g.M, g.BH, g.D, g.DV), torch.float32 if splits > 1 else state, g, x.device, splits > 1)
-    z = _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, splits > 1 or not with_z)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    xs, xw = x_norm if x_norm is not None else (s, s)
-    _summary_kernel[(g.BH, g.m_count * d_tiles * dv_tiles, splits)](
-        x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw, s, z,
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
-        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
-        BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, D_TILES=d_tiles, DV_TILES=dv_tiles,
-        ELU=elu, ROPE=rope is not None, SCALE_Y=y_scale is not None, WEIGHT_Z=z_weight is not None,
-        WITH_Z=with_z, ATOMIC=splits > 1, NORM_X=x_norm is not None, DOT=dot, PRECISION=precision,
-        **_launch(cfg),
-    )
-    return s.to(state), z
+    flags = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, D_TILES=d_tiles, DV_TILES=dv_tiles, ELU=elu,
+                 ROPE=rope is not None, SCALE_Y=y_scale is not None, WEIGHT_Z=z_weight is not None, WITH_Z=with_z,
+                 NORM_X=x_norm is not None, DOT=dot, PRECISION=precision)
+
+    def launch(settings):
+        programs = g.BH * g.m_count * d_tiles * dv_tiles
+        tok = _tokens_per_program(g, settings["block_n"], programs, settings["programs"])
+        splits = triton.cdiv(g.max_len, tok)
+        s = _summary_buffer((g.M, g.BH, g.D, g.DV), torch.float32 if splits > 1 else state, g, x.device, splits > 1)
+        z = _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, splits > 1 or not with_z)
+        xs, xw = x_norm if x_norm is not None else (s, s)
+        _summary_kernel[(g.BH, g.m_count * d_tiles * dv_tiles, splits)](
+            x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw,
+            s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
+            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
+            BLOCK_N=settings["block_n"], ATOMIC=splits > 1, **flags, **_launch(settings),
+        )
+        return s.to(state), z
+
+    return launch_within_card(_summary_kernel, x.device, cfg, "block_n", flags, launch)
 
 
 def _full_d_tiles(d: int, dv: int):
@@ -646,22 +653,26 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
         raise ValueError(f"the output kernel tiles Dv = {g.DV} (D = {g.D}) and cannot apply the output norm")
     cfg = _config("output", q.dtype, block_d, g.max_len, rope is not None,
                   norms=q_norm is not None or out_norm is not None)
-    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count * dv_tiles, cfg["programs"])
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
     dot, precision = _dot_types(q.dtype)
     qs, qw = q_norm if q_norm is not None else (o, o)
     gain, out_eps = out_norm if out_norm is not None else (o, 0.0)
-    _output_kernel[(g.BH, g.m_count * dv_tiles, triton.cdiv(g.max_len, tok))](
-        q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
-        q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
-        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
-        BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
-        ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, NORM_Q=q_norm is not None,
-        OUT_NORM=out_norm is not None, DOT=dot, PRECISION=precision,
-        **_launch(cfg),
-    )
-    return o
+    flags = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles, ELU=elu, ROPE=rope is not None,
+                 NORMALIZE=normalize, NORM_Q=q_norm is not None, OUT_NORM=out_norm is not None, DOT=dot,
+                 PRECISION=precision)
+
+    def launch(settings):
+        tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count * dv_tiles, settings["programs"])
+        _output_kernel[(g.BH, g.m_count * dv_tiles, triton.cdiv(g.max_len, tok))](
+            q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
+            q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
+            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
+            BLOCK_N=settings["block_n"], **flags, **_launch(settings),
+        )
+        return o
+
+    return launch_within_card(_output_kernel, q.device, cfg, "block_n", flags, launch)
 
 
 def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float):
@@ -671,22 +682,26 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
     """
     block_d, block_dv, dv_tiles = _full_d_tiles(g.D, g.DV)
     cfg = _config("grad", x.dtype, block_d, g.max_len, rope is not None)
-    tok = _tokens_per_program(g, cfg["block_n"], g.BH * g.m_count, cfg["programs"])
     dx = torch.empty((g.B, g.N, g.heads, g.D), device=x.device, dtype=x.dtype)
     dy = torch.empty((g.B, g.N, g.heads, g.DV), device=x.device, dtype=y.dtype) if with_dy else dx
     rden = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
     c = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    _grad_kernel[(g.BH, g.m_count, triton.cdiv(g.max_len, tok))](
-        x, y, cos, sin, mat, vec, dx, dy, rden, c,
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
-        dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-        g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps,
-        BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles,
-        ELU=elu, ROPE=rope is not None, STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy,
-        DOT=dot, PRECISION=precision, **_launch(cfg),
-    )
+    flags = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles, ELU=elu, ROPE=rope is not None,
+                 STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy, DOT=dot, PRECISION=precision)
+
+    def launch(settings):
+        tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count, settings["programs"])
+        _grad_kernel[(g.BH, g.m_count, triton.cdiv(g.max_len, tok))](
+            x, y, cos, sin, mat, vec, dx, dy, rden, c,
+            x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
+            dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
+            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps,
+            BLOCK_N=settings["block_n"], **flags, **_launch(settings),
+        )
+
+    launch_within_card(_grad_kernel, x.device, cfg, "block_n", flags, launch)
     return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
 
 
@@ -700,34 +715,22 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-# Shared memory a program may opt into on an H200 (and H100): the launch settings' reference, and the budget assumed
-# off the GPU (the interpreter; `resources.py`'s sm_90 compiles).
-HOPPER_SHARED_MEMORY = 232_448
-
-
-def shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory one program may opt into on `device` (HOPPER_SHARED_MEMORY off CUDA)."""
-    if device.type != "cuda":
-        return HOPPER_SHARED_MEMORY
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-
-
-def _mix_launch(m: int, f: int, element_size: int = 2,
-                shared: int = HOPPER_SHARED_MEMORY) -> tuple[tuple[int, int], dict]:
-    """Grid and launch arguments of `_mix_kernel` for (M x M) @ (M x F) at M <= CONFIG["mix"]["max_blocks"]: a
-    program per row block and walk, CONFIG["mix"]["programs"] programs in all (fewer where F has fewer tiles), with
-    the "wide" settings over "wide_over" blocks, and as many of CONFIG's stages as fit in `shared` bytes: each holds
-    an S tile, beside the program's mix rows and its output tile's staging (the sm_90 compiles' shared memory to the
-    byte: 172,032 at 180 blocks, 212,992 at 252; an A100's 166,912 takes 2 stages at 252 blocks, 3 at 180)."""
+def _mix_settings(m: int) -> dict:
+    """`_mix_kernel`'s settings at M <= CONFIG["mix"]["max_blocks"] blocks: CONFIG["mix"], its "wide" settings over
+    "wide_over" blocks, row blocks no taller than M needs."""
     cfg = {**CONFIG["mix"], **(CONFIG["mix"]["wide"] if m > CONFIG["mix"]["wide_over"] else {})}
-    block_m = max(16, min(cfg["block_m"], _pow2(m)))
-    block_k = max(16, _pow2(m))
-    row_blocks = triton.cdiv(m, block_m)
-    walks = max(1, min(triton.cdiv(f, cfg["block_f"]), cfg["programs"] // row_blocks))
-    fixed = block_m * (block_k + cfg["block_f"]) * element_size
-    stages = max(1, min(cfg["num_stages"], (shared - fixed) // (block_k * cfg["block_f"] * element_size)))
-    return (row_blocks, walks), dict(BLOCK_M=block_m, BLOCK_F=cfg["block_f"], BLOCK_K=block_k,
-                                     num_warps=cfg["num_warps"], num_stages=stages)
+    return dict(block_m=max(16, min(cfg["block_m"], _pow2(m))), block_f=cfg["block_f"], programs=cfg["programs"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _mix_launch(m: int, f: int, settings: dict) -> tuple[tuple[int, int], dict]:
+    """Grid and launch arguments of `_mix_kernel` for (M x M) @ (M x F) at `settings` (`_mix_settings`): a program
+    per row block and walk, settings["programs"] programs in all (fewer where F has fewer tiles)."""
+    row_blocks = triton.cdiv(m, settings["block_m"])
+    walks = max(1, min(triton.cdiv(f, settings["block_f"]), settings["programs"] // row_blocks))
+    return (row_blocks, walks), dict(BLOCK_M=settings["block_m"], BLOCK_F=settings["block_f"],
+                                     BLOCK_K=max(16, _pow2(m)), num_warps=settings["num_warps"],
+                                     num_stages=settings["num_stages"])
 
 
 def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -748,8 +751,12 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     m = s.shape[0]
     a = _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
-    grid, launch = _mix_launch(m, flat.shape[1], s.element_size(), shared_memory(s.device))
-    _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **launch)
+
+    def launch(settings):
+        grid, kwargs = _mix_launch(m, flat.shape[1], settings)
+        _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **kwargs)
+
+    launch_within_card(_mix_kernel, s.device, _mix_settings(m), "block_f", {"dtype": s.dtype}, launch)
     return out.view(s.shape)
 
 

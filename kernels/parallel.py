@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fitting import launch_within_card
 from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2, _tile
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
@@ -264,9 +265,12 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
-    tiles = launch_settings("forward", n, q.shape[-1])
-    _parallel_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
-        q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
+
+    def launch(tiles):
+        _parallel_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
+            q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
+
+    launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), "WALK", meta, launch)
     return o, rden
 
 
@@ -280,8 +284,11 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     c = torch.empty_like(rden)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
     for keys, dx in ((False, dq), (True, dk)):
-        tiles = launch_settings("grad_keys" if keys else "grad_queries", n, q.shape[-1])
-        _parallel_grad_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
-            q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
-            mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
+        def launch(tiles, keys=keys, dx=dx):
+            _parallel_grad_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
+                q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
+                mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
+
+        settings = launch_settings("grad_keys" if keys else "grad_queries", n, q.shape[-1])
+        launch_within_card(_parallel_grad_kernel, q.device, settings, "WALK", {**meta, "KEYS": keys}, launch)
     return dq, dk, dv, dmix

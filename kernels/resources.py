@@ -137,19 +137,21 @@ def usage(compiled) -> dict:
     return row
 
 
-def _mix_row(constexprs: dict) -> tuple[dict, dict]:
-    """Arguments and launch options of the mixing row: `mhla._mix_launch` at MIX_BLOCKS, mix as `mhla._mix_operand`
-    lays it out (zero-padded to 16 columns) and contiguous S, specialized as the JIT specializes them."""
-    _, launch = mhla._mix_launch(MIX_BLOCKS, MIX_COLUMNS)
+def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict]:
+    """Arguments and launch options of the mixing row at `settings`: `mhla._mix_launch` at MIX_BLOCKS, mix as
+    `mhla._mix_operand` lays it out (zero-padded to 16 columns) and contiguous S, specialized as the JIT specializes
+    them."""
+    _, launch = mhla._mix_launch(MIX_BLOCKS, MIX_COLUMNS, settings)
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
     sizes = dict(M=MIX_BLOCKS, F=MIX_COLUMNS, MP=triton.cdiv(MIX_BLOCKS, 16) * 16, ssb=MIX_COLUMNS, ssf=1)
     return {**sizes, **launch, **constexprs}, options
 
 
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
-    """Arguments and launch options of a quadratic-form row: `parallel._launch_args` and `parallel.launch_settings`
-    for 16 x 72 heads (DiT-XL/2, PixArt) over the grid the row names (bf16, normalized, relu, "auto" blocks), sizes
+    """Arguments and settings of a quadratic-form row: `parallel._launch_args` and `parallel.launch_settings` for
+    16 x 72 heads (DiT-XL/2, PixArt) over the grid the row names (bf16, normalized, relu, "auto" blocks), sizes
     specialized as the JIT specializes them."""
+    constexprs = dict(constexprs)
     grid = constexprs.pop("grid")
     blocks = resolve_blocks(grid, "auto")
     n, m = math.prod(grid), math.prod(blocks)
@@ -157,30 +159,42 @@ def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     sizes, meta = parallel._launch_args(q, q, torch.empty((m, m), device="meta"), grid, blocks, elu=False,
                                         normalize=True)
     kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
-    meta.update(parallel.launch_settings(kernel, n, q.shape[-1]))
-    options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
-    return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, options
+    return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, parallel.launch_settings(kernel, n, q.shape[-1])
+
+
+def row_settings(name: str) -> tuple[dict, str]:
+    """The launch settings KERNELS[name] takes on an H200, and the tile `fitting.smaller` halves on a card with less
+    shared memory."""
+    kernel, entry, constexprs, *block_tokens = KERNELS[name]
+    if entry == "mix":
+        return mhla._mix_settings(MIX_BLOCKS), "block_f"
+    if entry == "parallel":
+        return _parallel_row(constexprs)[1], "WALK"
+    norms = constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False)
+    return mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],
+                        constexprs["ROPE"], norms=norms), "block_n"
+
+
+def compile_row(name: str, settings: dict | None = None, target=HOPPER):
+    """KERNELS[name] compiled for `target` at `settings` (default: `row_settings`, what an H200 takes)."""
+    kernel, entry, constexprs, *_ = KERNELS[name]
+    settings = settings or row_settings(name)[0]
+    if entry == "mix":
+        return compile_for_hopper(kernel, *_mix_row(constexprs, settings), target=target)
+    if entry == "parallel":
+        sizes = _parallel_row(constexprs)[0]
+        tiles = {key: settings[key] for key in ("OWN", "WALK")}
+        options = {key: settings[key] for key in ("num_warps", "num_stages")}
+        return compile_for_hopper(kernel, {**sizes, **tiles}, options, FP32_POINTERS | {"mix_ptr", "dmix_ptr"},
+                                  target=target)
+    off = {k: v for k, v in OFF.items() if k in kernel.arg_names}
+    return compile_for_hopper(kernel, {**TILE, **off, **constexprs, **BF16, "BLOCK_N": settings["block_n"]},
+                              mhla._launch(settings), target=target)
 
 
 def report() -> dict:
-    """Usage of each kernel in KERNELS at the bf16 128 x 128 configuration its block length gets (the mixing row:
-    `_mix_row`)."""
-    rows = {}
-    for name, (kernel, entry, constexprs, *block_tokens) in KERNELS.items():
-        if entry == "mix":
-            rows[name] = usage(compile_for_hopper(kernel, *_mix_row(constexprs)))
-            continue
-        if entry == "parallel":
-            rows[name] = usage(compile_for_hopper(kernel, *_parallel_row(dict(constexprs)),
-                                                  FP32_POINTERS | {"mix_ptr", "dmix_ptr"}))
-            continue
-        cfg = mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],
-                           constexprs["ROPE"], norms=constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False))
-        off = {k: v for k, v in OFF.items() if k in kernel.arg_names}
-        compiled = compile_for_hopper(kernel, {**TILE, **off, **constexprs, **BF16, "BLOCK_N": cfg["block_n"]},
-                                      mhla._launch(cfg))
-        rows[name] = usage(compiled)
-    return rows
+    """Usage of each kernel in KERNELS at the settings an H200 takes (`row_settings`)."""
+    return {name: usage(compile_row(name)) for name in KERNELS}
 
 
 def main(argv=None) -> None:

@@ -17,6 +17,7 @@ import traceback  # noqa: E402
 import types  # noqa: E402
 
 import torch  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
 from mhla_diffusion.kernels import mhla, parallel  # noqa: E402
@@ -265,6 +266,74 @@ def parallel_case():
     return errors
 
 
+class RefusingCard:
+    """A kernel launched as a card with little shared memory answers it: settings of more than one pipeline stage,
+    or of a walked tile (tokens, S columns, keys) over 16, are refused with Triton's OutOfResources before anything
+    runs, as the JIT refuses what the card cannot hold; the rest run."""
+
+    TILES = ("BLOCK_N", "BLOCK_F", "WALK")
+
+    def __init__(self, kernel):
+        self.kernel, self.refused = kernel, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if kwargs.get("num_stages", 1) > 1 or any(kwargs.get(tile, 0) > 16 for tile in self.TILES):
+                self.refused += 1
+                raise OutOfResources(kwargs.get("num_stages", 1), 1, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+REFUSED_KERNELS = {mhla: ("_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel"),
+                   parallel: ("_parallel_kernel", "_parallel_grad_kernel")}
+
+
+def refusing_card_case():
+    """Every launcher on a card that refuses the tuned settings (`RefusingCard`): the op's linear path (forward, its
+    gradients, the no-grad forward), the mixing kernel and the quadratic form with its gradients run on the settings
+    `fitting.smaller` steps down to and match fp64. Run twice: the second run is refused nothing, as what the card
+    took is remembered, and every kernel was refused once at least."""
+    cards = {(owner, name): RefusingCard(getattr(owner, name)) for owner, names in REFUSED_KERNELS.items()
+             for name in names}
+    for (owner, name), card in cards.items():
+        setattr(owner, name, card)
+    tiles = contextlib.ExitStack()  # the token kernels' widest fp32 tile, whatever tile an earlier case left
+    for entry in ("summary", "output", "grad"):
+        tiles.enter_context(overriding(mhla.CONFIG[entry], block_n=32))
+    gen = torch.Generator().manual_seed(8)
+    grid, blocks = (1, 12, 14), (1, 5, 6)
+    n, m = math.prod(grid), math.prod(blocks)
+    q, k, v, do = (torch.randn(2, n, 3, 16, generator=gen) for _ in range(4))
+    mix = (locality_mix(blocks) + 0.1 * torch.rand(m, m, generator=gen, dtype=torch.float64)).float()
+    s = torch.randn(m, 3, 16, 8, generator=gen)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, mix)]
+    ref = dense_mhla(*ref_leaves, grid, blocks, normalize=True, feature="elu")
+    ref.backward(do.double())
+    errors = {}
+    try:
+        for run in ("first", "second"):
+            refused = sum(card.refused for card in cards.values())
+            linear = op_case((2, 5, 7), (1, 2, 3), 2, 16, 16)
+            errors.update({f"{run} run, linear path {key}": err for key, err in linear.items() if key != "dtype"})
+            errors[f"{run} run, mixing kernel"] = rel(mhla.mix_with_kernel(mix, s),
+                                                      torch.einsum("ij,j...->i...", mix.double(), s.double()))
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, mix)]
+            out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], True, 1e-6, "elu")
+            out.backward(do)
+            errors[f"{run} run, quadratic form o"] = rel(out, ref)
+            errors.update({f"{run} run, quadratic form d{x}": rel(a.grad, r.grad)
+                           for x, a, r in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
+        errors["refusals in the second run"] = float(sum(card.refused for card in cards.values()) - refused)
+        errors["kernels never refused"] = float(sum(card.refused == 0 for card in cards.values()))
+    finally:
+        tiles.close()
+        for (owner, name), card in cards.items():
+            setattr(owner, name, card.kernel)
+    return errors
+
+
 def compile_case():
     """torch.compile(fullgraph=True) through the custom op, forward and backward, matches eager."""
     configure(FEW)
@@ -351,6 +420,7 @@ CASES = {
     "stages split programs": lambda: stage_case(SPLIT),
     "mixing kernel": mix_case,
     "parallel form": parallel_case,
+    "card refusing the tuned settings": refusing_card_case,
     "torch.compile fullgraph": compile_case,
     "opcheck": opcheck_case,
 }

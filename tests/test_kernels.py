@@ -41,6 +41,7 @@ CASES = [
     "stages split programs",
     "mixing kernel",
     "parallel form",
+    "card refusing the tuned settings",
     "torch.compile fullgraph",
     "opcheck",
 ]
@@ -230,33 +231,82 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
-    row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill, and within the H200's 232,448
-    # bytes of shared memory per program
+    row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
-    assert int(row["smem B"]) <= 232448, row
+    # every kernel's CONFIG settings within the H200's 232,448 bytes of shared memory per program, as tuned there
+    assert all(int(r["smem B"]) <= 232448 for r in rows.values()), {n: r["smem B"] for n, r in rows.items()}
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
 
 
-@pytest.mark.parametrize(("card", "capability", "shared"), [("H200", 90, 232_448), ("A100", 80, 166_912)])
-def test_mixing_kernel_takes_the_stages_that_fit_the_cards_shared_memory(card, capability, shared):
-    """The mixing GEMM's launch at a converted Wan's 180 and 252 blocks: a program per row block and walk (64 rows on
-    4 warps; 128 on 8 over CONFIG's "wide_over"), and the pipeline stages that fit the card: CONFIG's 4 on an H200,
-    fewer on an A100, where the H200's settings asked for 212,992 bytes at 252 blocks and failed to launch. Compiled
-    for each card's architecture on this CPU: the binary's shared memory fits."""
+# Shared memory one program may opt into (CUDA's per-architecture limits): an A100, and the 99 KB of the RTX 3090 /
+# A10 / A6000 (sm_86), RTX 4090 / L4 / L40S (sm_89) and RTX 5090 (sm_120)
+CARDS = {"A100": (80, 166_912), "RTX 4090": (89, 101_376)}
+# The kernels (resources.KERNELS rows) whose H200 settings each card refuses
+REFUSED = {"A100": {"mix bf16"},
+           "RTX 4090": {"mix bf16", "grad dk dv", "grad dk dv rope", "parallel fwd d72, 576 tokens"}}
+
+
+@pytest.mark.parametrize("card", CARDS)
+def test_every_kernel_has_settings_that_cards_with_less_shared_memory_take(card):
+    """Each kernel's launch at a real model's shape (`resources.KERNELS`: Wan, DiT, the 14B model's mixing GEMM),
+    compiled for the card's architecture on this CPU by Triton's own compiler: the H200's settings (CONFIG's) where
+    they fit the card, else the first of `fitting.smaller` that does, which the launchers step down to as the card
+    refuses (`launch_within_card`; kernels_interp.py's "card refusing the tuned settings" runs that on the
+    interpreter). Launched as tuned, the A100 refused the 14B model's mixing GEMM, and a 4090 also a converted Wan's
+    key gradients (147,456 bytes as Wan uses them) and the 576-token quadratic form: training Wan failed there."""
     from triton.backends.compiler import GPUTarget
 
-    from mhla_diffusion.kernels import mhla, resources
+    from mhla_diffusion.kernels import fitting, resources
 
-    columns = 12 * 128 * 128
-    for m, grid, rows, warps in ((180, (3, 88), 64, 4), (252, (2, 132), 128, 8)):
-        got, launch = mhla._mix_launch(m, columns, 2, shared)
-        assert got == grid and (launch["BLOCK_M"], launch["num_warps"]) == (rows, warps)
-        assert (launch["num_stages"] == mhla.CONFIG["mix"]["num_stages"]) == (card == "H200")
-        options = {key: launch.pop(key) for key in ("num_warps", "num_stages")}
-        sizes = dict(M=m, F=columns, MP=-(-m // 16) * 16, ssb=columns, ssf=1)
-        compiled = resources.compile_for_hopper(mhla._mix_kernel, {**sizes, **launch}, options,
-                                                target=GPUTarget("cuda", capability, 32))
-        assert compiled.metadata.shared <= shared, (m, options, compiled.metadata.shared)
+    capability, limit = CARDS[card]
+    target, stepped = GPUTarget("cuda", capability, 32), set()
+    for name in resources.KERNELS:
+        settings, tile = resources.row_settings(name)
+        for i, candidate in enumerate(fitting.smaller(settings, tile)):
+            if resources.compile_row(name, candidate, target).metadata.shared <= limit:
+                break
+        else:
+            pytest.fail(f"{name}: no settings of fitting.smaller({settings}, {tile!r}) fit {card}'s {limit} bytes")
+        if i:
+            stepped.add(name)
+    assert stepped == REFUSED[card]
+
+
+def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is_remembered():
+    """`launch_within_card` against an RTX 4090's answer (Triton's sm_89 compile of a converted Wan's key gradients
+    as Wan uses them, OutOfResources over 101,376 bytes, as its JIT raises it): CONFIG's two stages refused, one
+    stage taken; the next call with the same kernel, settings and constexprs launches one stage at once. A launch
+    no settings fit raises the card's refusal, and so does any refused launch inside `as_asked` (`tune.py`'s sweeps
+    time the candidate they name or skip it)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.errors import OutOfResources
+
+    from mhla_diffusion.kernels import fitting, mhla, resources
+
+    tried = []
+
+    def launch(settings):
+        tried.append(settings["num_stages"])
+        shared = resources.compile_row("grad dk dv rope", settings, GPUTarget("cuda", 89, 32)).metadata.shared
+        if shared > CARDS["RTX 4090"][1]:
+            raise OutOfResources(shared, CARDS["RTX 4090"][1], "shared memory")
+        return settings
+
+    settings, tile = resources.row_settings("grad dk dv rope")
+    constexprs = {"ROPE": True, "WITH_DY": True}
+    took = fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tile, constexprs, launch)
+    assert tried == [2, 1] and took == {**settings, "num_stages": 1}
+    assert fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tile, constexprs, launch) == took
+    assert tried == [2, 1, 1]
+
+    def refused(settings):
+        raise OutOfResources(1, 0, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tile, {}, refused)
+    with fitting.as_asked(), pytest.raises(OutOfResources):
+        fitting.launch_within_card(mhla._grad_kernel, "cuda:1", settings, tile, constexprs, launch)
+    assert tried == [2, 1, 1, 2]
 
 
 def test_launch_sweep_keeps_each_kernels_fastest_override(monkeypatch):

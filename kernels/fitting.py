@@ -1,0 +1,67 @@
+"""Launch settings the card takes: the kernels' settings were tuned on an H200, whose programs may opt into 227 KB of
+shared memory; an A100 gives them 163 KB and an RTX 3090, 4090, 5090, A10, L4 or L40S 99 KB, and refuses the deeper
+pipelines and wider tiles (a converted Wan's key gradients asked 144 KB: `tests/test_kernels.py` compiles every
+kernel for sm_89). Triton refuses such a launch with `OutOfResources` before anything runs, so a launcher retries
+with smaller settings, as Triton's autotuner prunes configs, and remembers what the card took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, TypeVar
+
+from triton.runtime.errors import OutOfResources
+
+T = TypeVar("T")
+SMALLEST_TILE = 16  # tensor-core products need 16 rows
+# (kernel, device, settings asked, the launch's other constexprs) -> index in `smaller` of the settings the card took
+_TAKEN: dict = {}
+_stepping = True  # off inside `as_asked`
+
+
+def smaller(settings: dict, tile: str) -> Iterator[dict]:
+    """`settings`, then with one pipeline stage fewer down to one, then at one stage with the `tile` entry halved
+    down to SMALLEST_TILE: the order in which the settings give back shared memory (stages first: each holds a copy
+    of the walked tiles, which is what the deep pipelines spend it on)."""
+    yield settings
+    for stages in range(settings["num_stages"] - 1, 0, -1):
+        yield {**settings, "num_stages": stages}
+    size = settings[tile] // 2
+    while size >= SMALLEST_TILE:
+        yield {**settings, "num_stages": 1, tile: size}
+        size //= 2
+
+
+def launch_within_card(kernel, device, settings: dict, tile: str, constexprs: dict,
+                       launch: Callable[[dict], T]) -> T:
+    """`launch(settings)`, or where the card refuses its shared memory, `launch` of the first of `smaller(settings,
+    tile)` it takes; `launch` derives the grid and buffers from the settings it is given. `constexprs` are the
+    launch's other compile-time values (they size shared memory too): a later call with the same kernel, device,
+    settings and constexprs starts from what the card took. Raises the card's refusal of the smallest settings."""
+    if not _stepping:
+        return launch(settings)
+    key = (kernel, str(device), tuple(sorted(settings.items())), tuple(sorted(constexprs.items())))
+    candidates = list(smaller(settings, tile))
+    i = _TAKEN.get(key, 0)
+    while True:
+        try:
+            out = launch(candidates[i])
+            break
+        except OutOfResources:
+            if i + 1 == len(candidates):
+                raise
+            i += 1
+    _TAKEN[key] = i
+    return out
+
+
+@contextlib.contextmanager
+def as_asked():
+    """Launches with exactly the settings asked, refused where the card refuses them: a launch-settings sweep
+    (`tune.py`) must time the candidate it names, not a smaller one."""
+    global _stepping
+    _stepping = False
+    try:
+        yield
+    finally:
+        _stepping = True
