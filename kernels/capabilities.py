@@ -6,6 +6,9 @@ Plain values, no triton import: the dispatch reads them on every call, on machin
 import torch
 
 DEVICE = "cuda"  # and any device under TRITON_INTERPRET=1 (Triton's CPU interpreter, for tests)
+# Triton supports NVIDIA GPUs from Ampere on (its README); compiled for Turing (sm_75) most kernels here outgrow its
+# 64 KB of shared memory even at the smallest settings `fitting.smaller` steps down to
+MIN_CAPABILITY = (8, 0)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # q, k, v share one of them
 FEATURES = ("relu", "elu")  # the feature maps `mhla._phi` computes (elu: elu + 1)
 HEAD_DIM_MULTIPLE = 8

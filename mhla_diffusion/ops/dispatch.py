@@ -64,9 +64,16 @@ def _run_triton_with_norms(q, k, v, mix, geometry, options, rope, norms):
 
 
 def _triton_device(q, k, v, geometry, options):
-    if q.device.type == triton_caps.DEVICE or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    return f"tensors are on {q.device.type}; the Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
+    if q.device.type != triton_caps.DEVICE:
+        return f"tensors are on {q.device.type}; the Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
+    card = torch.cuda.get_device_properties(q.device)  # torch.compile folds it to a constant
+    if (card.major, card.minor) < triton_caps.MIN_CAPABILITY:
+        major, minor = triton_caps.MIN_CAPABILITY
+        return (f"{card.name} has compute capability {card.major}.{card.minor}; the Triton kernels need {major}.{minor} "
+                "(Ampere) or newer, as Triton does")
+    return None
 
 
 def _triton_dtype(q, k, v, geometry, options):
