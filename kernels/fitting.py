@@ -19,29 +19,32 @@ _TAKEN: dict = {}
 _stepping = True  # off inside `as_asked`
 
 
-def smaller(settings: dict, tile: str) -> Iterator[dict]:
-    """`settings`, then with one pipeline stage fewer down to one, then at one stage with the `tile` entry halved
-    down to SMALLEST_TILE: the order in which the settings give back shared memory (stages first: each holds a copy
-    of the walked tiles, which is what the deep pipelines spend it on)."""
+def smaller(settings: dict, tiles: tuple[str, ...]) -> Iterator[dict]:
+    """`settings`, then with one pipeline stage fewer down to one, then at one stage with each of the `tiles` entries
+    in turn halved down to SMALLEST_TILE (the ones before it held there): the order in which the settings give back
+    shared memory (stages first: each holds another copy of the walked tiles, which the deep pipelines spend it on)."""
     yield settings
     for stages in range(settings["num_stages"] - 1, 0, -1):
         yield {**settings, "num_stages": stages}
-    size = settings[tile] // 2
-    while size >= SMALLEST_TILE:
-        yield {**settings, "num_stages": 1, tile: size}
-        size //= 2
+    held = {"num_stages": 1}
+    for tile in tiles:
+        size = settings[tile] // 2
+        while size >= SMALLEST_TILE:
+            yield {**settings, **held, tile: size}
+            size //= 2
+        held[tile] = min(settings[tile], SMALLEST_TILE)
 
 
-def launch_within_card(kernel, device, settings: dict, tile: str, constexprs: dict,
+def launch_within_card(kernel, device, settings: dict, tiles: tuple[str, ...], constexprs: dict,
                        launch: Callable[[dict], T]) -> T:
     """`launch(settings)`, or where the card refuses its shared memory, `launch` of the first of `smaller(settings,
-    tile)` it takes; `launch` derives the grid and buffers from the settings it is given. `constexprs` are the
+    tiles)` it takes; `launch` derives the grid and buffers from the settings it is given. `constexprs` are the
     launch's other compile-time values (they size shared memory too): a later call with the same kernel, device,
     settings and constexprs starts from what the card took. Raises the card's refusal of the smallest settings."""
     if not _stepping:
         return launch(settings)
     key = (kernel, str(device), tuple(sorted(settings.items())), tuple(sorted(constexprs.items())))
-    candidates = list(smaller(settings, tile))
+    candidates = list(smaller(settings, tiles))
     i = _TAKEN.get(key, 0)
     while True:
         try:

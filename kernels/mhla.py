@@ -508,9 +508,9 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 
 
 # Launch settings for bf16 tiles up to 128 x 128 (measured on an H200: kernels/NOTES.md; a card with less shared memory
-# per program takes them stepped down, `fitting.launch_within_card`); "programs"
-# is how many programs to aim for (tokens per program follow from it); "maxnreg" caps registers per
-# thread (None: the compiler's choice). "mix": the mixing GEMM (`_mix_settings`): a program holds 64 rows of mix and walks
+# per program takes them stepped down, `fitting.launch_within_card`); "programs" is how many programs to aim for
+# (tokens per program follow from it); "maxnreg" caps registers per thread (None: the compiler's choice). "mix": the
+# mixing GEMM (`_mix_settings`): a program holds 64 rows of mix and walks
 # 64-column S tiles on 4 warps, 4 tiles in flight, 264 programs; over "wide_over" blocks, 128 rows on 8 warps ("wide");
 # up to "max_blocks" blocks (more take cuBLAS: `mixes_with_kernel`). H200, session 34 sweeps (BENCHMARKS.md), bf16 S,
 # us, session 29's kernel (a program per S tile, all rows) -> this: 180 blocks 89.0 -> 64.0, 252: 343.5 -> 263.4
@@ -603,17 +603,16 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     x_norm: (rstd (B, N) from `token_rstd`, weight (heads*D,)), x RMSNormed across heads on the way.
     Programs that split a block add into fp32 with atomics; S is rounded once after."""
     block_d = min(_pow2(g.D), MAX_TILE)
-    cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
-    block_dv = min(_pow2(g.DV), cfg["max_dv"])
-    d_tiles, dv_tiles = triton.cdiv(g.D, block_d), triton.cdiv(g.DV, block_dv)
+    d_tiles = triton.cdiv(g.D, block_d)
     state = dtype or state_dtype(x.dtype)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    flags = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, D_TILES=d_tiles, DV_TILES=dv_tiles, ELU=elu,
-                 ROPE=rope is not None, SCALE_Y=y_scale is not None, WEIGHT_Z=z_weight is not None, WITH_Z=with_z,
-                 NORM_X=x_norm is not None, DOT=dot, PRECISION=precision)
+    flags = dict(BLOCK_D=block_d, D_TILES=d_tiles, ELU=elu, ROPE=rope is not None, SCALE_Y=y_scale is not None,
+                 WEIGHT_Z=z_weight is not None, WITH_Z=with_z, NORM_X=x_norm is not None, DOT=dot, PRECISION=precision)
 
     def launch(settings):
+        block_dv = min(_pow2(g.DV), settings["max_dv"])
+        dv_tiles = triton.cdiv(g.DV, block_dv)
         programs = g.BH * g.m_count * d_tiles * dv_tiles
         tok = _tokens_per_program(g, settings["block_n"], programs, settings["programs"])
         splits = triton.cdiv(g.max_len, tok)
@@ -624,11 +623,13 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
             x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw,
             s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
-            BLOCK_N=settings["block_n"], ATOMIC=splits > 1, **flags, **_launch(settings),
+            BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles, ATOMIC=splits > 1, **flags,
+            **_launch(settings),
         )
         return s.to(state), z
 
-    return launch_within_card(_summary_kernel, x.device, cfg, "block_n", flags, launch)
+    cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
+    return launch_within_card(_summary_kernel, x.device, cfg, ("block_n", "max_dv"), flags, launch)
 
 
 def _full_d_tiles(d: int, dv: int):
@@ -651,28 +652,31 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
     block_d, block_dv, dv_tiles = _full_d_tiles(g.D, g.DV)
     if out_norm is not None and dv_tiles > 1:
         raise ValueError(f"the output kernel tiles Dv = {g.DV} (D = {g.D}) and cannot apply the output norm")
-    cfg = _config("output", q.dtype, block_d, g.max_len, rope is not None,
-                  norms=q_norm is not None or out_norm is not None)
+    cfg = {**_config("output", q.dtype, block_d, g.max_len, rope is not None,
+                     norms=q_norm is not None or out_norm is not None), "block_dv": block_dv}
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
     dot, precision = _dot_types(q.dtype)
     qs, qw = q_norm if q_norm is not None else (o, o)
     gain, out_eps = out_norm if out_norm is not None else (o, 0.0)
-    flags = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles, ELU=elu, ROPE=rope is not None,
-                 NORMALIZE=normalize, NORM_Q=q_norm is not None, OUT_NORM=out_norm is not None, DOT=dot,
-                 PRECISION=precision)
+    flags = dict(BLOCK_D=block_d, ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, NORM_Q=q_norm is not None,
+                 OUT_NORM=out_norm is not None, DOT=dot, PRECISION=precision)
 
     def launch(settings):
+        dv_tiles = triton.cdiv(g.DV, settings["block_dv"])
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count * dv_tiles, settings["programs"])
         _output_kernel[(g.BH, g.m_count * dv_tiles, triton.cdiv(g.max_len, tok))](
             q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
-            BLOCK_N=settings["block_n"], **flags, **_launch(settings),
+            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=dv_tiles, **flags,
+            **_launch(settings),
         )
         return o
 
-    return launch_within_card(_output_kernel, q.device, cfg, "block_n", flags, launch)
+    # the output norm needs a program's whole Dv row: its Dv tile is not stepped down
+    tiles = ("block_n",) if out_norm is not None else ("block_n", "block_dv")
+    return launch_within_card(_output_kernel, q.device, cfg, tiles, flags, launch)
 
 
 def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float):
@@ -680,16 +684,16 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
 
     Returns (dx, dy or None, rden or None, c or None).
     """
-    block_d, block_dv, dv_tiles = _full_d_tiles(g.D, g.DV)
-    cfg = _config("grad", x.dtype, block_d, g.max_len, rope is not None)
+    block_d, block_dv, _ = _full_d_tiles(g.D, g.DV)
+    cfg = {**_config("grad", x.dtype, block_d, g.max_len, rope is not None), "block_dv": block_dv}
     dx = torch.empty((g.B, g.N, g.heads, g.D), device=x.device, dtype=x.dtype)
     dy = torch.empty((g.B, g.N, g.heads, g.DV), device=x.device, dtype=y.dtype) if with_dy else dx
     rden = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
     c = torch.empty((g.BH, g.N), device=x.device, dtype=torch.float32) if stats else vec
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
-    flags = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=dv_tiles, ELU=elu, ROPE=rope is not None,
-                 STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy, DOT=dot, PRECISION=precision)
+    flags = dict(BLOCK_D=block_d, ELU=elu, ROPE=rope is not None, STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy,
+                 DOT=dot, PRECISION=precision)
 
     def launch(settings):
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count, settings["programs"])
@@ -697,11 +701,13 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
             x, y, cos, sin, mat, vec, dx, dy, rden, c,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps,
-            BLOCK_N=settings["block_n"], **flags, **_launch(settings),
+            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, BLOCK_N=settings["block_n"],
+            BLOCK_DV=settings["block_dv"], DV_TILES=triton.cdiv(g.DV, settings["block_dv"]), **flags,
+            **_launch(settings),
         )
 
-    launch_within_card(_grad_kernel, x.device, cfg, "block_n", flags, launch)
+    # the Dv tile first: the kernel holds a D x Dv tile of S~ (dS) as a product's operand, where shared memory goes
+    launch_within_card(_grad_kernel, x.device, cfg, ("block_dv", "block_n"), flags, launch)
     return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
 
 
@@ -756,7 +762,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         grid, kwargs = _mix_launch(m, flat.shape[1], settings)
         _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **kwargs)
 
-    launch_within_card(_mix_kernel, s.device, _mix_settings(m), "block_f", {"dtype": s.dtype}, launch)
+    launch_within_card(_mix_kernel, s.device, _mix_settings(m), ("block_f",), {"dtype": s.dtype}, launch)
     return out.view(s.shape)
 
 

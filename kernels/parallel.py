@@ -270,7 +270,8 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
         _parallel_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
             q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
 
-    launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), "WALK", meta, launch)
+    launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), ("WALK",), meta,
+                       launch)
     return o, rden
 
 
@@ -290,5 +291,5 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
                 mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
 
         settings = launch_settings("grad_keys" if keys else "grad_queries", n, q.shape[-1])
-        launch_within_card(_parallel_grad_kernel, q.device, settings, "WALK", {**meta, "KEYS": keys}, launch)
+        launch_within_card(_parallel_grad_kernel, q.device, settings, ("WALK",), {**meta, "KEYS": keys}, launch)
     return dq, dk, dv, dmix

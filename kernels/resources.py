@@ -36,6 +36,11 @@ HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
 # mixing matrix as the mixing kernel gets it and, since op._table, RoPE tables are bf16 for bf16 inputs.
 FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr"}
+# Pointer types of a token-kernel call by input type: (the inputs' and outputs', pointers that are fp32). fp16 inputs
+# keep S and RoPE tables in fp32 (`mhla.state_dtype`, `op._table`).
+POINTER_TYPES = {torch.bfloat16: ("*bf16", FP32_POINTERS),
+                 torch.float16: ("*fp16", FP32_POINTERS | {"s_ptr", "mat_ptr", "cos_ptr", "sin_ptr"}),
+                 torch.float32: ("*fp32", FP32_POINTERS)}
 # Flags a row leaves off: the RMSNorms applied on the way (`ops.norms`) are off unless a row turns them on.
 OFF = dict(NORM_X=False, NORM_Q=False, OUT_NORM=False)
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
@@ -66,6 +71,9 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
     "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
         DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True)),
+    # the same in fp16 (training under fp16 autocast): untuned settings, fp32 operands (tf32 products)
+    "grad dk dv rope fp16": (mhla._grad_kernel, "grad", dict(
+        DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True, DTYPE=torch.float16)),
     # DiT and PixArt heads (16 x 72): a head dim that is no multiple of 16, in the same 128-wide tiles, short blocks
     "summary fwd d72": (mhla._summary_kernel, "summary", dict(
         D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, ATOMIC=False,
@@ -95,9 +103,10 @@ def _tool(name: str) -> str:
     return path
 
 
-def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP32_POINTERS, target=HOPPER):
+def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP32_POINTERS, target=HOPPER,
+                       pointer_type="*bf16"):
     """The kernel compiled for sm_90 (or `target`) with `constexprs` fixed and the other arguments typed as a call
-    passes them.
+    passes them (pointers: `pointer_type` but `fp32_pointers`).
 
     A value given for an integer the kernel does not declare constexpr (a stride, a head dim) is specialized as the
     JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown."""
@@ -112,7 +121,7 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP
                 attrs[(i,)] = [["tt.divisibility", 16]]
             continue
         if arg.endswith("_ptr"):
-            signature[arg] = "*fp32" if arg in fp32_pointers else "*bf16"
+            signature[arg] = "*fp32" if arg in fp32_pointers else pointer_type
         else:
             signature[arg] = "fp32" if arg in ("eps", "out_eps") else "i32"
         if arg.endswith("_ptr") or DIVISIBLE.match(arg):
@@ -162,23 +171,36 @@ def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, parallel.launch_settings(kernel, n, q.shape[-1])
 
 
-def row_settings(name: str) -> tuple[dict, str]:
-    """The launch settings KERNELS[name] takes on an H200, and the tile `fitting.smaller` halves on a card with less
-    shared memory."""
-    kernel, entry, constexprs, *block_tokens = KERNELS[name]
+def _dtype(constexprs: dict) -> torch.dtype:
+    """The inputs' type of a token-kernel row: bf16 unless the row names another ("DTYPE", not a kernel argument)."""
+    return constexprs.get("DTYPE", torch.bfloat16)
+
+
+def row_settings(row: tuple) -> tuple[dict, tuple]:
+    """The launch settings a KERNELS row takes on an H200, and the tiles `fitting.smaller` halves on a card with less
+    shared memory, as the launchers pass them."""
+    kernel, entry, constexprs, *block_tokens = row
     if entry == "mix":
-        return mhla._mix_settings(MIX_BLOCKS), "block_f"
+        return mhla._mix_settings(MIX_BLOCKS), ("block_f",)
     if entry == "parallel":
-        return _parallel_row(constexprs)[1], "WALK"
+        return _parallel_row(constexprs)[1], ("WALK",)
+    d, dv = constexprs.get("D", TILE["D"]), constexprs.get("DV", TILE["DV"])
     norms = constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False)
-    return mhla._config(entry, torch.bfloat16, TILE["BLOCK_D"], (block_tokens or [WAN_BLOCK_TOKENS])[0],
-                        constexprs["ROPE"], norms=norms), "block_n"
+    block_d = min(mhla._pow2(d), mhla.MAX_TILE) if entry == "summary" else mhla._pow2(d)
+    cfg = mhla._config(entry, _dtype(constexprs), block_d, (block_tokens or [WAN_BLOCK_TOKENS])[0],
+                       constexprs["ROPE"], norms=norms)
+    if entry == "summary":
+        return cfg, ("block_n", "max_dv")
+    cfg["block_dv"] = mhla._full_d_tiles(d, dv)[1]
+    if entry == "grad":
+        return cfg, ("block_dv", "block_n")
+    return cfg, ("block_n",) if constexprs.get("OUT_NORM") else ("block_n", "block_dv")
 
 
-def compile_row(name: str, settings: dict | None = None, target=HOPPER):
-    """KERNELS[name] compiled for `target` at `settings` (default: `row_settings`, what an H200 takes)."""
-    kernel, entry, constexprs, *_ = KERNELS[name]
-    settings = settings or row_settings(name)[0]
+def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
+    """A KERNELS row compiled for `target` at `settings` (default: `row_settings`, what an H200 takes)."""
+    kernel, entry, constexprs, *_ = row
+    settings = settings or row_settings(row)[0]
     if entry == "mix":
         return compile_for_hopper(kernel, *_mix_row(constexprs, settings), target=target)
     if entry == "parallel":
@@ -187,14 +209,25 @@ def compile_row(name: str, settings: dict | None = None, target=HOPPER):
         options = {key: settings[key] for key in ("num_warps", "num_stages")}
         return compile_for_hopper(kernel, {**sizes, **tiles}, options, FP32_POINTERS | {"mix_ptr", "dmix_ptr"},
                                   target=target)
+    constexprs = dict(constexprs)
+    dtype = constexprs.pop("DTYPE", torch.bfloat16)
+    shape = {**TILE, **constexprs}
+    if entry == "summary":
+        block_d, block_dv = min(mhla._pow2(shape["D"]), mhla.MAX_TILE), min(mhla._pow2(shape["DV"]), settings["max_dv"])
+    else:
+        block_d, block_dv = mhla._pow2(shape["D"]), settings["block_dv"]
+    tiles = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=triton.cdiv(shape["DV"], block_dv),
+                 BLOCK_N=settings["block_n"])
+    dot, precision = mhla._dot_types(dtype)
     off = {k: v for k, v in OFF.items() if k in kernel.arg_names}
-    return compile_for_hopper(kernel, {**TILE, **off, **constexprs, **BF16, "BLOCK_N": settings["block_n"]},
-                              mhla._launch(settings), target=target)
+    pointers, fp32 = POINTER_TYPES[dtype]
+    return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles},
+                              mhla._launch(settings), fp32, target=target, pointer_type=pointers)
 
 
 def report() -> dict:
     """Usage of each kernel in KERNELS at the settings an H200 takes (`row_settings`)."""
-    return {name: usage(compile_row(name)) for name in KERNELS}
+    return {name: usage(compile_row(row)) for name, row in KERNELS.items()}
 
 
 def main(argv=None) -> None:

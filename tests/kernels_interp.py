@@ -268,10 +268,10 @@ def parallel_case():
 
 class RefusingCard:
     """A kernel launched as a card with little shared memory answers it: settings of more than one pipeline stage,
-    or of a walked tile (tokens, S columns, keys) over 16, are refused with Triton's OutOfResources before anything
-    runs, as the JIT refuses what the card cannot hold; the rest run."""
+    or of a stepped tile (tokens, Dv, S columns, keys) over 16, are refused with Triton's OutOfResources before
+    anything runs, as the JIT refuses what the card cannot hold; the rest run."""
 
-    TILES = ("BLOCK_N", "BLOCK_F", "WALK")
+    TILES = ("BLOCK_N", "BLOCK_DV", "BLOCK_F", "WALK")
 
     def __init__(self, kernel):
         self.kernel, self.refused = kernel, 0
@@ -292,9 +292,9 @@ REFUSED_KERNELS = {mhla: ("_summary_kernel", "_output_kernel", "_grad_kernel", "
 
 def refusing_card_case():
     """Every launcher on a card that refuses the tuned settings (`RefusingCard`): the op's linear path (forward, its
-    gradients, the no-grad forward), the mixing kernel and the quadratic form with its gradients run on the settings
-    `fitting.smaller` steps down to and match fp64. Run twice: the second run is refused nothing, as what the card
-    took is remembered, and every kernel was refused once at least."""
+    gradients, the no-grad forward; Dv = 40 in three 16-column tiles), the mixing kernel and the quadratic form with
+    its gradients run on the settings `fitting.smaller` steps down to and match fp64. Run twice: the second run is
+    refused nothing, as what the card took is remembered, and every kernel was refused once at least."""
     cards = {(owner, name): RefusingCard(getattr(owner, name)) for owner, names in REFUSED_KERNELS.items()
              for name in names}
     for (owner, name), card in cards.items():
@@ -315,7 +315,7 @@ def refusing_card_case():
     try:
         for run in ("first", "second"):
             refused = sum(card.refused for card in cards.values())
-            linear = op_case((2, 5, 7), (1, 2, 3), 2, 16, 16)
+            linear = op_case((2, 5, 7), (1, 2, 3), 2, 16, 40)
             errors.update({f"{run} run, linear path {key}": err for key, err in linear.items() if key != "dtype"})
             errors[f"{run} run, mixing kernel"] = rel(mhla.mix_with_kernel(mix, s),
                                                       torch.einsum("ij,j...->i...", mix.double(), s.double()))

@@ -242,7 +242,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     rows = {cells[0]: dict(zip(header, cells)) for cells in
             ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
     assert set(rows) == set(resources.KERNELS)
-    assert all(int(row["HGMMA"]) > 0 for name, row in rows.items() if not name.endswith("d72"))
+    # wgmma for bf16 at Wan's block length (fp16's fp32 operands on 32-token tiles take the warp-level mma)
+    assert all(int(row["HGMMA"]) > 0 for name, row in rows.items() if not name.endswith(("d72", "fp16")))
     assert all(int(row["HGMMA"]) + int(row["HMMA"]) > 0 for row in rows.values())
     forward = rows["summary fwd"]
     assert int(forward["regs"]) <= 128 and int(forward["stack B"]) == 0 and int(forward["LDL"]) == 0
@@ -264,7 +265,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
 CARDS = {"A100": (80, 166_912), "RTX 4090": (89, 101_376)}
 # The kernels (resources.KERNELS rows) whose H200 settings each card refuses
 REFUSED = {"A100": {"mix bf16"},
-           "RTX 4090": {"mix bf16", "grad dk dv", "grad dk dv rope", "parallel fwd d72, 576 tokens"}}
+           "RTX 4090": {"mix bf16", "grad dk dv", "grad dk dv rope", "grad dk dv rope fp16",
+                        "parallel fwd d72, 576 tokens"}}
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -274,20 +276,21 @@ def test_every_kernel_has_settings_that_cards_with_less_shared_memory_take(card)
     they fit the card, else the first of `fitting.smaller` that does, which the launchers step down to as the card
     refuses (`launch_within_card`; kernels_interp.py's "card refusing the tuned settings" runs that on the
     interpreter). Launched as tuned, the A100 refused the 14B model's mixing GEMM, and a 4090 also a converted Wan's
-    key gradients (147,456 bytes as Wan uses them) and the 576-token quadratic form: training Wan failed there."""
+    key gradients (147,456 bytes as Wan uses them in bf16; 155,648 in fp16, also at 16-token tiles: its Dv tile is
+    what gives) and the 576-token quadratic form: training Wan failed there."""
     from triton.backends.compiler import GPUTarget
 
     from mhla_diffusion.kernels import fitting, resources
 
     capability, limit = CARDS[card]
     target, stepped = GPUTarget("cuda", capability, 32), set()
-    for name in resources.KERNELS:
-        settings, tile = resources.row_settings(name)
-        for i, candidate in enumerate(fitting.smaller(settings, tile)):
-            if resources.compile_row(name, candidate, target).metadata.shared <= limit:
+    for name, row in resources.KERNELS.items():
+        settings, tiles = resources.row_settings(row)
+        for i, candidate in enumerate(fitting.smaller(settings, tiles)):
+            if resources.compile_row(row, candidate, target).metadata.shared <= limit:
                 break
         else:
-            pytest.fail(f"{name}: no settings of fitting.smaller({settings}, {tile!r}) fit {card}'s {limit} bytes")
+            pytest.fail(f"{name}: no settings of fitting.smaller({settings}, {tiles}) fit {card}'s {limit} bytes")
         if i:
             stepped.add(name)
     assert stepped == REFUSED[card]
@@ -304,29 +307,29 @@ def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is
 
     from mhla_diffusion.kernels import fitting, mhla, resources
 
-    tried = []
+    tried, row = [], resources.KERNELS["grad dk dv rope"]
 
     def launch(settings):
         tried.append(settings["num_stages"])
-        shared = resources.compile_row("grad dk dv rope", settings, GPUTarget("cuda", 89, 32)).metadata.shared
+        shared = resources.compile_row(row, settings, GPUTarget("cuda", 89, 32)).metadata.shared
         if shared > CARDS["RTX 4090"][1]:
             raise OutOfResources(shared, CARDS["RTX 4090"][1], "shared memory")
         return settings
 
-    settings, tile = resources.row_settings("grad dk dv rope")
+    settings, tiles = resources.row_settings(row)
     constexprs = {"ROPE": True, "WITH_DY": True}
-    took = fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tile, constexprs, launch)
+    took = fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tiles, constexprs, launch)
     assert tried == [2, 1] and took == {**settings, "num_stages": 1}
-    assert fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tile, constexprs, launch) == took
+    assert fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tiles, constexprs, launch) == took
     assert tried == [2, 1, 1]
 
     def refused(settings):
         raise OutOfResources(1, 0, "shared memory")
 
     with pytest.raises(OutOfResources):
-        fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tile, {}, refused)
+        fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tiles, {}, refused)
     with fitting.as_asked(), pytest.raises(OutOfResources):
-        fitting.launch_within_card(mhla._grad_kernel, "cuda:1", settings, tile, constexprs, launch)
+        fitting.launch_within_card(mhla._grad_kernel, "cuda:1", settings, tiles, constexprs, launch)
     assert tried == [2, 1, 1, 2]
 
 
