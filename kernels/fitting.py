@@ -8,13 +8,14 @@ with smaller settings, as Triton's autotuner prunes configs, and remembers what 
 from __future__ import annotations
 
 import contextlib
+import traceback
 from typing import Callable, Iterator, TypeVar
 
 from triton.runtime.errors import OutOfResources
 
 T = TypeVar("T")
 SMALLEST_TILE = 16  # tensor-core products need 16 rows
-# (kernel, device, settings asked, the launch's other constexprs) -> index in `smaller` of the settings the card took
+# (kernel, device, settings asked, the launch's other constexprs) -> the step of `smaller` a refusal led to
 _TAKEN: dict = {}
 _stepping = True  # off inside `as_asked`
 
@@ -38,30 +39,38 @@ def smaller(settings: dict, tiles: tuple[str, ...]) -> Iterator[dict]:
 def launch_within_card(kernel, device, settings: dict, tiles: tuple[str, ...], constexprs: dict,
                        launch: Callable[[dict], T]) -> T:
     """`launch(settings)`, or where the card refuses its shared memory, `launch` of the first of `smaller(settings,
-    tiles)` it takes; `launch` derives the grid and buffers from the settings it is given. `constexprs` are the
-    launch's other compile-time values (they size shared memory too): a later call with the same kernel, device,
-    settings and constexprs starts from what the card took. Raises the card's refusal of the smallest settings."""
+    tiles)` it takes; `launch` derives the grid, tiles and buffers from the settings it is given. `constexprs` are the
+    launch's other compile-time values that size shared memory: a later call with the same kernel, device, settings
+    and constexprs starts from the step the card last took (only ever a smaller one; a key coarser than the compile's
+    costs speed, never a wrong launch). Raises the card's refusal of the smallest settings."""
     if not _stepping:
         return launch(settings)
-    key = (kernel, str(device), tuple(sorted(settings.items())), tuple(sorted(constexprs.items())))
-    candidates = list(smaller(settings, tiles))
-    i = _TAKEN.get(key, 0)
+    key = _key(kernel, device, settings, constexprs) if _TAKEN else None  # no refusal yet (an H200): no key to build
+    step = _TAKEN.get(key, 0)
+    candidates = list(smaller(settings, tiles)) if step else [settings]
     while True:
         try:
-            out = launch(candidates[i])
-            break
-        except OutOfResources:
-            if i + 1 == len(candidates):
+            return launch(candidates[step])
+        except OutOfResources as refusal:
+            # the refused attempt's buffers go now: Triton's raise leaves a cycle through its frames, which held them
+            # until the next garbage collection
+            traceback.clear_frames(refusal.__traceback__)
+            if len(candidates) == 1:
+                candidates = list(smaller(settings, tiles))
+            if step + 1 == len(candidates):
                 raise
-            i += 1
-    _TAKEN[key] = i
-    return out
+            step += 1
+            _TAKEN[key or _key(kernel, device, settings, constexprs)] = step
+
+
+def _key(kernel, device, settings: dict, constexprs: dict) -> tuple:
+    return kernel, str(device), tuple(sorted(settings.items())), tuple(sorted(constexprs.items()))
 
 
 @contextlib.contextmanager
 def as_asked():
     """Launches with exactly the settings asked, refused where the card refuses them: a launch-settings sweep
-    (`tune.py`) must time the candidate it names, not a smaller one."""
+    (`tune.py`) must time the candidate it names, not a smaller one. A process-wide switch (not per thread)."""
     global _stepping
     _stepping = False
     try:

@@ -629,7 +629,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
         return s.to(state), z
 
     cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
-    return launch_within_card(_summary_kernel, x.device, cfg, ("block_n", "max_dv"), flags, launch)
+    return launch_within_card(_summary_kernel, x.device, cfg, ("block_n", "max_dv"), {**flags, "DV": g.DV}, launch)
 
 
 def _full_d_tiles(d: int, dv: int):
@@ -676,7 +676,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
 
     # the output norm needs a program's whole Dv row: its Dv tile is not stepped down
     tiles = ("block_n",) if out_norm is not None else ("block_n", "block_dv")
-    return launch_within_card(_output_kernel, q.device, cfg, tiles, flags, launch)
+    return launch_within_card(_output_kernel, q.device, cfg, tiles, {**flags, "DV": g.DV}, launch)
 
 
 def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float):
@@ -707,7 +707,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
         )
 
     # the Dv tile first: the kernel holds a D x Dv tile of S~ (dS) as a product's operand, where shared memory goes
-    launch_within_card(_grad_kernel, x.device, cfg, ("block_dv", "block_n"), flags, launch)
+    launch_within_card(_grad_kernel, x.device, cfg, ("block_dv", "block_n"), {**flags, "DV": g.DV}, launch)
     return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
 
 
@@ -762,7 +762,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         grid, kwargs = _mix_launch(m, flat.shape[1], settings)
         _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **kwargs)
 
-    launch_within_card(_mix_kernel, s.device, _mix_settings(m), ("block_f",), {"dtype": s.dtype}, launch)
+    launch_within_card(_mix_kernel, s.device, _mix_settings(m), ("block_f",), {"dtype": s.dtype, "M": m}, launch)
     return out.view(s.shape)
 
 

@@ -296,7 +296,7 @@ def test_every_kernel_has_settings_that_cards_with_less_shared_memory_take(card)
     assert stepped == REFUSED[card]
 
 
-def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is_remembered():
+def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is_remembered(monkeypatch):
     """`launch_within_card` against an RTX 4090's answer (Triton's sm_89 compile of a converted Wan's key gradients
     as Wan uses them, OutOfResources over 101,376 bytes, as its JIT raises it): CONFIG's two stages refused, one
     stage taken; the next call with the same kernel, settings and constexprs launches one stage at once. A launch
@@ -307,6 +307,7 @@ def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is
 
     from mhla_diffusion.kernels import fitting, mhla, resources
 
+    monkeypatch.setattr(fitting, "_TAKEN", {})
     tried, row = [], resources.KERNELS["grad dk dv rope"]
 
     def launch(settings):
@@ -331,6 +332,40 @@ def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is
     with fitting.as_asked(), pytest.raises(OutOfResources):
         fitting.launch_within_card(mhla._grad_kernel, "cuda:1", settings, tiles, constexprs, launch)
     assert tried == [2, 1, 1, 2]
+
+
+def test_a_refused_launchs_buffers_are_freed_before_the_retry(monkeypatch):
+    """The buffers a refused attempt allocated are freed when the card refuses, not at the next garbage collection:
+    Triton raises OutOfResources from a frame that keeps the exception (as `refuse` below), a cycle through the
+    traceback that held the attempt's frame, and so its buffers (a Wan-14B summary buffer is 660 MB), alive."""
+    import gc
+    import weakref
+
+    from triton.runtime.errors import OutOfResources
+
+    from mhla_diffusion.kernels import fitting, mhla
+
+    monkeypatch.setattr(fitting, "_TAKEN", {})
+    attempts = []
+
+    def refuse():
+        refusal = OutOfResources(2, 1, "shared memory")
+        raise refusal
+
+    def launch(settings):
+        buffer = torch.empty(1 << 16)
+        attempts.append(weakref.ref(buffer))
+        if settings["num_stages"] > 1:
+            refuse()
+        return settings["num_stages"]
+
+    gc.disable()
+    try:
+        assert fitting.launch_within_card(mhla._grad_kernel, "cpu", dict(num_stages=2, block_n=32), ("block_n",), {},
+                                          launch) == 1
+        assert attempts[0]() is None and len(attempts) == 2
+    finally:
+        gc.enable()
 
 
 def test_launch_sweep_keeps_each_kernels_fastest_override(monkeypatch):
