@@ -119,21 +119,27 @@ def cubed_feature(monkeypatch):
     monkeypatch.setitem(FEATURE_MAPS, "cubed", lambda x: x.relu() ** 3)
 
 
-@pytest.mark.parametrize(("card", "capability"), [("Tesla T4", (7, 5)), ("Tesla V100-SXM2-16GB", (7, 0)),
-                                                  ("NVIDIA A10", (8, 6))])
-def test_triton_refuses_gpus_older_than_ampere_and_auto_takes_the_reference(card, capability, monkeypatch):
-    """CUDA tensors on a GPU older than Ampere (compute capability 8.0, Triton's own floor): asked for by name the
-    Triton backend says so in one line; "auto" takes the reference. An Ampere card passes the device check. (No GPU
-    here: the card's properties are what torch.cuda.get_device_properties answers on one.)"""
+@pytest.mark.parametrize(("card", "capability", "hip"), [("Tesla T4", (7, 5), None),
+                                                         ("Tesla V100-SXM2-16GB", (7, 0), None),
+                                                         ("AMD Instinct MI300X", (9, 4), "6.2"),
+                                                         ("NVIDIA A10", (8, 6), None)])
+def test_triton_refuses_gpus_older_than_ampere_and_amd_and_auto_takes_the_reference(card, capability, hip,
+                                                                                    monkeypatch):
+    """CUDA tensors on a GPU older than Ampere (compute capability 8.0, Triton's own floor), or on an AMD GPU under a
+    ROCm build of torch (device type "cuda" too; the kernels were never run there): asked for by name the Triton
+    backend says why in one line; "auto" takes the reference. An Ampere card passes the device check. (No GPU here:
+    the card's properties are what torch.cuda.get_device_properties answers on one.)"""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "hip", hip)
     properties = types.SimpleNamespace(name=card, major=capability[0], minor=capability[1])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
     q = types.SimpleNamespace(device=torch.device("cuda", 0))  # a CUDA tensor as the device check reads it
     geometry, options = block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions()
-    if capability >= (8, 0):
+    if capability >= (8, 0) and hip is None:
         assert dispatch._triton_device(q, q, q, geometry, options) is None
         return
-    match = f"{card} has compute capability {capability[0]}.{capability[1]}; the Triton kernels need 8.0"
+    rocm = "this is a ROCm build of PyTorch; the Triton kernels are built and checked for NVIDIA GPUs only"
+    match = rocm if hip else f"{card} has compute capability {capability[0]}.{capability[1]}; the Triton kernels need 8.0"
     with pytest.raises(ValueError, match=f"backend='triton' cannot run this call: {match}.*backend='auto'"):
         dispatch.choose("triton", q, q, q, geometry, options)
     assert dispatch.choose("auto", q, q, q, geometry, options) is dispatch.BACKENDS["torch"]

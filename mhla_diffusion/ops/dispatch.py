@@ -68,11 +68,13 @@ def _triton_device(q, k, v, geometry, options):
         return None
     if q.device.type != triton_caps.DEVICE:
         return f"tensors are on {q.device.type}; the Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
+    if torch.version.hip is not None:
+        return "this is a ROCm build of PyTorch; the Triton kernels are built and checked for NVIDIA GPUs only"
     card = torch.cuda.get_device_properties(q.device)  # torch.compile folds it to a constant
     if (card.major, card.minor) < triton_caps.MIN_CAPABILITY:
         major, minor = triton_caps.MIN_CAPABILITY
-        return (f"{card.name} has compute capability {card.major}.{card.minor}; the Triton kernels need {major}.{minor} "
-                "(Ampere) or newer, as Triton does")
+        return (f"{card.name} has compute capability {card.major}.{card.minor}; the Triton kernels need "
+                f"{major}.{minor} (Ampere) or newer, as Triton does")
     return None
 
 
