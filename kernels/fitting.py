@@ -8,11 +8,13 @@ with smaller settings, as Triton's autotuner prunes configs, and remembers what 
 from __future__ import annotations
 
 import contextlib
+import logging
 import traceback
 from typing import Callable, Iterator, TypeVar
 
 from triton.runtime.errors import OutOfResources
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 SMALLEST_TILE = 16  # tensor-core products need 16 rows
 # (kernel, device, settings asked, the launch's other constexprs) -> the step of `smaller` a refusal led to
@@ -61,6 +63,9 @@ def launch_within_card(kernel, device, settings: dict, tiles: tuple[str, ...], c
                 raise
             step += 1
             _TAKEN[key or _key(kernel, device, settings, constexprs)] = step
+            log.info("%s on %s: %s needs %s bytes of shared memory, the card has %s; trying %s",
+                     getattr(kernel, "__name__", kernel), device, candidates[step - 1], refusal.required,
+                     refusal.limit, candidates[step])
 
 
 def _key(kernel, device, settings: dict, constexprs: dict) -> tuple:

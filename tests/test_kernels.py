@@ -302,7 +302,7 @@ def test_every_kernel_has_settings_that_cards_with_less_shared_memory_take(card)
     assert stepped == REFUSED[card]
 
 
-def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is_remembered(monkeypatch):
+def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is_remembered(monkeypatch, caplog):
     """`launch_within_card` against an RTX 4090's answer (Triton's sm_89 compile of a converted Wan's key gradients
     as Wan uses them, OutOfResources over 101,376 bytes, as its JIT raises it): CONFIG's two stages refused, one
     stage taken; the next call with the same kernel, settings and constexprs launches one stage at once. A launch
@@ -325,8 +325,12 @@ def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is
 
     settings, tiles = resources.row_settings(row)
     constexprs = {"ROPE": True, "WITH_DY": True}
-    took = fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tiles, constexprs, launch)
+    with caplog.at_level("INFO", logger="mhla_diffusion.kernels.fitting"):
+        took = fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tiles, constexprs, launch)
     assert tried == [2, 1] and took == {**settings, "num_stages": 1}
+    # one line says what the card refused and what runs instead
+    assert "_grad_kernel on cuda:0" in caplog.text
+    assert "needs 147456 bytes of shared memory, the card has 101376; trying" in caplog.text
     assert fitting.launch_within_card(mhla._grad_kernel, "cuda:0", settings, tiles, constexprs, launch) == took
     assert tried == [2, 1, 1]
 
