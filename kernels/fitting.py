@@ -82,3 +82,18 @@ def as_asked():
         yield
     finally:
         _stepping = True
+
+
+@contextlib.contextmanager
+def card_with_shared_memory(limit: int):
+    """Triton's JIT refuses, as a card with `limit` bytes of shared memory per program would, every launch that needs
+    more (it reads the card's limit through `triton.compiler.compiler.max_shared_mem`): on a larger card, the
+    settings the launchers step down to can be checked and timed (`bench op --shared-memory`)."""
+    from triton.compiler import compiler
+
+    card = compiler.max_shared_mem
+    compiler.max_shared_mem = lambda device: min(card(device), limit)
+    try:
+        yield
+    finally:
+        compiler.max_shared_mem = card

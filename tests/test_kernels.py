@@ -344,6 +344,22 @@ def test_a_refused_launch_runs_the_first_settings_the_card_takes_and_the_card_is
     assert tried == [2, 1, 1, 2]
 
 
+def test_a_larger_card_refuses_what_a_smaller_one_would_inside_card_with_shared_memory(monkeypatch):
+    """`bench op --shared-memory 101376` on an H200: Triton's JIT reads the card's limit through
+    `compiler.max_shared_mem`, which answers the smaller of the card's and the limit inside the context, the card's
+    own after it (the launchers then step down there as on a 4090; `bench op --check` checks those settings)."""
+    from triton.compiler import compiler
+
+    from mhla_diffusion.kernels import fitting
+
+    monkeypatch.setattr(compiler, "max_shared_mem", lambda device: 232_448)  # what an H200's driver answers
+    with fitting.card_with_shared_memory(101_376):
+        assert compiler.max_shared_mem(0) == 101_376
+    with fitting.card_with_shared_memory(300_000):
+        assert compiler.max_shared_mem(0) == 232_448
+    assert compiler.max_shared_mem(0) == 232_448
+
+
 def test_a_refused_launchs_buffers_are_freed_before_the_retry(monkeypatch):
     """The buffers a refused attempt allocated are freed when the card refuses, not at the next garbage collection:
     Triton raises OutOfResources from a frame that keeps the exception (as `refuse` below), a cycle through the

@@ -41,6 +41,10 @@ def register_op_command(commands) -> None:
                     help="instead of the peers, time MHLA on each rank's token slice of the sequence split over P "
                          "ranks (context parallel) on this one GPU, P = 1 too: the rank's kernels, without the "
                          "all-reduces of the summaries and of their gradients (see shard_rows)")
+    op.add_argument("--shared-memory", type=int, metavar="BYTES",
+                    help="launch as a card with BYTES of shared memory per program would (101376: an RTX 4090 or "
+                         "L40S; 166912: an A100): the kernels step down to the settings such a card takes, checked "
+                         "and timed on this one")
     op.add_argument("--json", action="store_true", help="print JSON instead of a table")
     op.set_defaults(func=run_op)
 
@@ -420,10 +424,19 @@ def _check_row(r: dict) -> str:
 def run_op(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("bench op needs a CUDA GPU")
+    if args.shared_memory is None:
+        return _run_op(args, torch.cuda.get_device_name())
+    from ..kernels.fitting import card_with_shared_memory
+
+    with card_with_shared_memory(args.shared_memory):
+        return _run_op(args, f"{torch.cuda.get_device_name()} as a card of {args.shared_memory} bytes of shared memory")
+
+
+def _run_op(args: argparse.Namespace, device: str) -> int:
     from triton.testing import do_bench
 
     dtype = getattr(torch, args.dtype)
-    report = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch}
+    report = {"device": device, "dtype": args.dtype, "batch": args.batch}
     if args.check:
         from ..ops.check import run_checks
 
