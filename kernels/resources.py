@@ -12,6 +12,9 @@ local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2
 Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
 per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's row (`mhla.CONFIG["mix"]`) is
 at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over all 256 (padded) columns.
+A row may name another input type ("DTYPE": the fp16 key-gradient row, on fp16's untuned settings with fp32 S and
+tables). `row_settings` and `compile_row` also compile a row for another GPU at other settings: the tests check that
+the settings `fitting.smaller` steps down to fit an A100's and a 4090's shared memory.
 """
 
 from __future__ import annotations
