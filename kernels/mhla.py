@@ -543,6 +543,17 @@ SHORT_CONFIG = {"summary": {"block_n": 64, "num_stages": 2}, "output": {"block_n
 NORMS_CONFIG = {"output": {"num_warps": 4}}
 
 
+# The tiles each launch's settings give shared memory back by on a card that refuses them, in order, after its pipeline
+# stages (`fitting.smaller`): the gradients' Dv tile first, as their D x Dv operand tile is where the memory goes.
+STEP_TILES = {"summary": ("block_n", "max_dv"), "output": ("block_n", "block_dv"), "grad": ("block_dv", "block_n"),
+              "mix": ("block_f",), "parallel": ("WALK",)}
+
+
+def step_tiles(kernel: str, out_norm: bool = False) -> tuple[str, ...]:
+    """STEP_TILES[kernel]; the output kernel applying the output norm keeps its whole Dv row, so not its Dv tile."""
+    return tuple(t for t in STEP_TILES[kernel] if not (out_norm and t == "block_dv"))
+
+
 def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False,
             norms: bool = False) -> dict:
     """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; for such calls without RoPE whose blocks hold at most
@@ -629,7 +640,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
         return s.to(state), z
 
     cfg = _config("summary", x.dtype, block_d, g.max_len, rope is not None)
-    return launch_within_card(_summary_kernel, x.device, cfg, ("block_n", "max_dv"), {**flags, "DV": g.DV}, launch)
+    return launch_within_card(_summary_kernel, x.device, cfg, step_tiles("summary"), {**flags, "DV": g.DV}, launch)
 
 
 def _full_d_tiles(d: int, dv: int):
@@ -674,9 +685,8 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
         )
         return o
 
-    # the output norm needs a program's whole Dv row: its Dv tile is not stepped down
-    tiles = ("block_n",) if out_norm is not None else ("block_n", "block_dv")
-    return launch_within_card(_output_kernel, q.device, cfg, tiles, {**flags, "DV": g.DV}, launch)
+    return launch_within_card(_output_kernel, q.device, cfg, step_tiles("output", out_norm is not None),
+                              {**flags, "DV": g.DV}, launch)
 
 
 def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float):
@@ -706,8 +716,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
             **_launch(settings),
         )
 
-    # the Dv tile first: the kernel holds a D x Dv tile of S~ (dS) as a product's operand, where shared memory goes
-    launch_within_card(_grad_kernel, x.device, cfg, ("block_dv", "block_n"), {**flags, "DV": g.DV}, launch)
+    launch_within_card(_grad_kernel, x.device, cfg, step_tiles("grad"), {**flags, "DV": g.DV}, launch)
     return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
 
 
@@ -762,7 +771,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         grid, kwargs = _mix_launch(m, flat.shape[1], settings)
         _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **kwargs)
 
-    launch_within_card(_mix_kernel, s.device, _mix_settings(m), ("block_f",), {"dtype": s.dtype, "M": m}, launch)
+    launch_within_card(_mix_kernel, s.device, _mix_settings(m), step_tiles("mix"), {"dtype": s.dtype, "M": m}, launch)
     return out.view(s.shape)
 
 

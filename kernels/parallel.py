@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .fitting import launch_within_card
-from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2, _tile
+from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2, _tile, step_tiles
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
 # sequences that take this path, without and with gradients. H200, bf16, 2026-12-03 (kernels/NOTES.md, sessions 32
@@ -270,8 +270,8 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
         _parallel_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
             q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
 
-    launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), ("WALK",), meta,
-                       launch)
+    launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), step_tiles("parallel"),
+                       meta, launch)
     return o, rden
 
 
@@ -291,5 +291,6 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
                 mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
 
         settings = launch_settings("grad_keys" if keys else "grad_queries", n, q.shape[-1])
-        launch_within_card(_parallel_grad_kernel, q.device, settings, ("WALK",), {**meta, "KEYS": keys}, launch)
+        launch_within_card(_parallel_grad_kernel, q.device, settings, step_tiles("parallel"), {**meta, "KEYS": keys},
+                           launch)
     return dq, dk, dv, dmix

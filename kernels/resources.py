@@ -184,20 +184,17 @@ def row_settings(row: tuple) -> tuple[dict, tuple]:
     shared memory, as the launchers pass them."""
     kernel, entry, constexprs, *block_tokens = row
     if entry == "mix":
-        return mhla._mix_settings(MIX_BLOCKS), ("block_f",)
+        return mhla._mix_settings(MIX_BLOCKS), mhla.step_tiles("mix")
     if entry == "parallel":
-        return _parallel_row(constexprs)[1], ("WALK",)
+        return _parallel_row(constexprs)[1], mhla.step_tiles("parallel")
     d, dv = constexprs.get("D", TILE["D"]), constexprs.get("DV", TILE["DV"])
     norms = constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False)
     block_d = min(mhla._pow2(d), mhla.MAX_TILE) if entry == "summary" else mhla._pow2(d)
     cfg = mhla._config(entry, _dtype(constexprs), block_d, (block_tokens or [WAN_BLOCK_TOKENS])[0],
                        constexprs["ROPE"], norms=norms)
-    if entry == "summary":
-        return cfg, ("block_n", "max_dv")
-    cfg["block_dv"] = mhla._full_d_tiles(d, dv)[1]
-    if entry == "grad":
-        return cfg, ("block_dv", "block_n")
-    return cfg, ("block_n",) if constexprs.get("OUT_NORM") else ("block_n", "block_dv")
+    if entry != "summary":
+        cfg["block_dv"] = mhla._full_d_tiles(d, dv)[1]
+    return cfg, mhla.step_tiles(entry, constexprs.get("OUT_NORM", False))
 
 
 def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
