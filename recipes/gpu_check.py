@@ -18,7 +18,8 @@ defaults (bf16 teacher, a call of --batch-size samples): the teacher forward tha
 call, one fitting step of the layer on it, and a whole pass estimated from them.
 
 Prints one row per variant: median time over --steps after --warmup (per step; transfer: per fitting
-step), and peak allocated memory (CUDA only).
+step), and peak allocated memory (CUDA only). `--profile` also prints, per training variant, where one
+step's time goes (torch.profiler: kernels by GPU time, ops by CPU time).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from mhla_diffusion import zoo
 from mhla_diffusion.cli.main import build_parser
+from mhla_diffusion.cli.profiling import kernel_profile
 from mhla_diffusion.conversion import convert, converted_indices, default_config, new_processor, resolve_config
 from mhla_diffusion.families import family_of, self_attentions
 from mhla_diffusion.processors import TokenGrid
@@ -73,7 +75,7 @@ def reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def measure_training(variant: str, preset: str, steps: int, warmup: int, device) -> dict:
+def measure_training(variant: str, preset: str, steps: int, warmup: int, device, profile: bool = False) -> dict:
     name, latent, text_len, blocks = PRESETS[preset]
     transformer = zoo.build_transformer(name, device=device)
     family = family_of(transformer)
@@ -118,7 +120,10 @@ def measure_training(variant: str, preset: str, steps: int, warmup: int, device)
 
     reset_peak(device)
     step_s, loss = timed(step, steps, warmup, device)
-    return {"variant": variant, "step_s": step_s, "peak_gib": peak_gib(device), "loss": loss}
+    row = {"variant": variant, "step_s": step_s, "peak_gib": peak_gib(device), "loss": loss}
+    if profile:
+        row["profile"] = kernel_profile(step, calls=1, top=30)
+    return row
 
 
 def measure_transfer(preset: str, steps: int, warmup: int, device) -> dict:
@@ -162,6 +167,7 @@ def main(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="real")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="also print where one training step's time goes")
     parser.add_argument("--variants", default="original,mhla,mhla-hybrid", help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
@@ -171,7 +177,7 @@ def main(argv=None):
     rows = []
     for v in variants:
         rows.append(measure_transfer(args.preset, args.steps, args.warmup, device) if v == "transfer"
-                    else measure_training(v, args.preset, args.steps, args.warmup, device))
+                    else measure_training(v, args.preset, args.steps, args.warmup, device, args.profile))
         gc.collect()  # the attention taps' hooks make reference cycles with the models
     base = rows[0]["step_s"]
     print(f"{'variant':<20} {'step (s)':>9} {'speed-up':>9} {'peak (GiB)':>11} {'loss':>8}")
@@ -180,6 +186,8 @@ def main(argv=None):
     for r in rows:
         if "note" in r:
             print(r["note"])
+        if "profile" in r:
+            print(f"-- {r['variant']}: one step --\n{r['profile']}")
     return rows
 
 

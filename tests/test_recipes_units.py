@@ -278,6 +278,16 @@ def test_gpu_check_tiny_runs_every_variant(capsys):
         gpu_check.main(["--preset", "tiny", "--variants", "mhla,teacher_only"])
 
 
+def test_gpu_check_profile_says_where_a_training_step_goes(capsys):
+    """`--profile`: one training step's ops by time under the variant's row (target 4 of the speed issue asks where
+    the step's time goes): the forward and the backward both in it."""
+    gpu_check = recipe("gpu_check")
+    rows = gpu_check.main(["--preset", "tiny", "--steps", "1", "--warmup", "0", "--variants", "mhla", "--profile"])
+    out = capsys.readouterr().out
+    assert "-- mhla: one step --" in out and "per call: wall" in out
+    assert "aten::linear" in rows[0]["profile"] and "Backward0" in rows[0]["profile"]
+
+
 def test_attention_tap_keeps_the_forward_outputs_under_gradient_checkpointing():
     """The backward's recomputation (gradient checkpointing) must not replace what the tap kept: those outputs
     would hold every block's recomputed activations until the next step."""
