@@ -8,6 +8,8 @@ summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) w
 Besides the inputs, the backward keeps only S and z. Gradients flow to q, k, v and mix; RoPE tables get none.
 A short sequence over its whole grid takes a third op instead, `mhla_parallel` (`parallel.py`: MHLA's quadratic
 form, one launch forward and two backward; its backward keeps its output and 1 / den per query).
+`mhla_rms_norm` is a layer's RMSNorms around the op where the kernels cannot apply them on the way (with gradients:
+training), one launch each way (`rms_norm.py`).
 The ops take the call's block geometry, token slice and options flattened by `op_args` (torch.library
 schemas take ints, floats, bools and strings, not objects) and read them back in `_decode`: one place each.
 """
@@ -18,7 +20,7 @@ from typing import Optional
 import torch
 
 from ..blocks import block_geometry
-from . import mhla, parallel
+from . import mhla, parallel, rms_norm
 from .capabilities import FEATURES
 
 
@@ -214,6 +216,51 @@ mhla_summaries.register_autograd(_summaries_backward, setup_context=_save_summar
 mhla_output.register_autograd(_output_backward, setup_context=_save_output_inputs)
 
 
+@torch.library.custom_op("mhla_diffusion::rms_norm", mutates_args=())
+def mhla_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): x (rows, groups * width) RMSNormed per group of width features and scaled by weight (groups *
+    width elements, any shape), y in x's dtype, rstd (rows, groups) fp32 for the backward."""
+    return rms_norm.rms_norm_forward(x.contiguous(), weight.contiguous().view(-1), groups, eps)
+
+
+@mhla_rms_norm.register_fake
+def _(x, weight, groups, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty((x.shape[0], groups),
+                                                                                   dtype=torch.float32)
+
+
+@torch.library.custom_op("mhla_diffusion::rms_norm_bwd", mutates_args=())
+def mhla_rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = rms_norm.rms_norm_backward(dy.contiguous(), x.contiguous(), weight.contiguous().view(-1), rstd, groups)
+    return dx, dw.view(weight.shape)
+
+
+@mhla_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, groups):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+def _save_rms_norm_inputs(ctx, inputs, output):
+    x, weight, groups, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.groups = groups
+
+
+def _rms_norm_backward(ctx, dy, _):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = mhla_rms_norm_bwd(dy, x, weight, rstd, ctx.groups)
+    return dx, dw, None, None
+
+
+mhla_rms_norm.register_autograd(_rms_norm_backward, setup_context=_save_rms_norm_inputs)
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """x (..., groups * width) RMSNormed per group and scaled by weight, in x's dtype (`mhla_rms_norm`)."""
+    return mhla_rms_norm(x.reshape(-1, x.shape[-1]), weight, groups, eps)[0].view(x.shape)
+
+
 def mixed_output(q, mix, s, z, cos, sin, args, q_norm=(None, 0.0), out_norm=(None, 0.0)):
     """`mhla_output` from complete summaries of any float type (a slice's are fp32), rounded to `mhla.state_dtype`."""
     return mhla_output(q, mix, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *q_norm, *out_norm, *args)
@@ -232,7 +279,7 @@ def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None, norms=None):
         s, z = reduce(s, z)
     fuse_out = norms is not None and norms.out_gain is not None and mhla.fuses_output_norm(q.shape[-1], v.shape[-1])
     out = mixed_output(q, mix, s, z, cos, sin, args, q_norm, (norms.out_gain, norms.out_eps) if fuse_out else (None, 0.0))
-    return out if norms is None or fuse_out else norms.output(out)
+    return out if norms is None or fuse_out else norms.output(out, grouped_rms_norm)
 
 
 def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

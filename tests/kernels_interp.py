@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
-from mhla_diffusion.kernels import mhla, parallel  # noqa: E402
-from mhla_diffusion.kernels.op import mhla_output, mhla_parallel, mhla_summaries  # noqa: E402
+from mhla_diffusion.kernels import mhla, parallel, rms_norm  # noqa: E402
+from mhla_diffusion.kernels.op import mhla_output, mhla_parallel, mhla_rms_norm, mhla_summaries  # noqa: E402
 from mhla_diffusion.ops import MHLAOptions, mhla_attention, mhla_op, naive  # noqa: E402
 from mhla_diffusion.ops.norms import Norms  # noqa: E402
 
@@ -131,13 +131,41 @@ def norms_case(d, dv, *, rope=True, normalize=False, launch=FEW):
         errors["o no-grad (fused norms)"] = rel(run(torch.float32, "triton", False)[0], ref)
     # without autograd, no norm runs as a PyTorch pass, but an output norm the output kernel cannot hold
     errors["norm passes outside the kernels"] = float(inputs.calls + outputs.calls != (not mhla.fuses_output_norm(d, dv)))
-    out, leaves = run(torch.float32, "triton", True)
+    with counting(rms_norm, "rms_norm_forward") as forward:
+        out, leaves = run(torch.float32, "triton", True)
     errors["o"] = rel(out, ref)
     do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    out.backward(do.float())
+    with counting(rms_norm, "rms_norm_backward") as backward:
+        out.backward(do.float())
     ref.backward(do)
     for name, a, b in zip(("dq", "dk", "dv", "dmix", "dq_weight", "dk_weight", "dgain"), leaves, ref_leaves):
         errors[name] = rel(a.grad, b.grad)
+    # with autograd the q, k and output norms run around the op in the RMSNorm kernels, each way
+    errors["norms with autograd not in the RMSNorm kernels"] = float((forward.calls, backward.calls) != (3, 3))
+    return errors
+
+
+def rms_norm_case():
+    """The RMSNorm kernels (`kernels/rms_norm.py`, through the custom op) against PyTorch's formula in fp64, forward
+    and both gradients: one group across the row (q, k across heads; a width of 72 padded to 128), several (the
+    output norm per head, 3 x 40: groups and width padded), and a 12 x 16 row of 5 rows (a partial row tile)."""
+    from mhla_diffusion.kernels.op import grouped_rms_norm
+
+    gen = torch.Generator().manual_seed(7)
+    errors = {}
+    for rows, groups, width in ((37, 1, 72), (9, 3, 40), (5, 12, 16)):
+        x = torch.randn(rows, groups * width, generator=gen, dtype=torch.float64) * 3
+        weight = torch.rand(groups, width, generator=gen, dtype=torch.float64) + 0.5
+        dy = torch.randn(rows, groups * width, generator=gen, dtype=torch.float64)
+        ref_x, ref_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        ref = (torch.nn.functional.rms_norm(ref_x.view(rows, groups, width), (width,), eps=1e-6) * ref_w).flatten(1)
+        ref.backward(dy)
+        kx, kw = x.float().requires_grad_(), weight.float().requires_grad_()
+        out = grouped_rms_norm(kx, kw, groups, 1e-6)
+        out.backward(dy.float())
+        case = f"{rows} x {groups} x {width}"
+        errors.update({f"y {case}": rel(out, ref), f"dx {case}": rel(kx.grad, ref_x.grad),
+                       f"dweight {case}": rel(kw.grad, ref_w.grad)})
     return errors
 
 
@@ -389,6 +417,10 @@ def opcheck_case():
             s, z = mhla_summaries(k, v.detach(), None, None, wk, 1e-6, *options)
             norm_args = (q, mix.detach(), s.to(mhla.state_dtype(dtype)), z, None, None, wq, 1e-6, gain.view(2, 8), 1e-6)
             torch.library.opcheck(mhla_output, (*norm_args, *options), test_utils=checks[::2])
+            # the RMSNorms around the op (with autograd): q, k across heads (fp32 weight), the output norm per head
+            x = torch.randn(6, 16, generator=gen).to(dtype).requires_grad_()
+            for weight, groups in ((torch.rand(16, generator=gen), 1), (torch.rand(2, 8, generator=gen), 2)):
+                torch.library.opcheck(mhla_rms_norm, (x, weight.requires_grad_(), groups, 1e-6), test_utils=checks)
         # the quadratic form: the whole grid only, normalized (o and 1 / den) and unnormalized (o)
         q, k, v = (torch.randn(1, 24, 2, 16, generator=gen).to(dtype).requires_grad_() for _ in range(3))
         for normalize in (True, False):
@@ -416,6 +448,7 @@ CASES = {
                                                                            launch=SPLIT),
     "norms on the way, Dv tiled (output norm after)": lambda: norms_case(136, 72, rope=False),
     "wan model, norms on the way": wan_model_case,
+    "rms norm kernels": rms_norm_case,
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),
     "mixing kernel": mix_case,

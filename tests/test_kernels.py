@@ -38,6 +38,7 @@ CASES = [
     "norms on the way, normalized Dv!=D split programs",
     "norms on the way, Dv tiled (output norm after)",
     "wan model, norms on the way",
+    "rms norm kernels",
     "stages",
     "stages split programs",
     "mixing kernel",
@@ -188,7 +189,7 @@ def test_norms_are_fused_only_without_autograd_or_autocast_and_autocast_runs_the
     monkeypatch.setitem(dispatch.BACKENDS, "triton", dispatch.Backend(record("triton"), triton.constraints,
                                                                       record("triton, norms on the way")))
     monkeypatch.setitem(dispatch.BACKENDS, "torch", dispatch.Backend(record("torch"), torch_backend.constraints))
-    monkeypatch.setattr(Norms, "inputs", lambda self, q, k: (q.float(), k.float()))  # norms returning fp32
+    monkeypatch.setattr(Norms, "inputs", lambda self, q, k, fused: (q.float(), k.float()))  # norms returning fp32
     q, k, v = _inputs(d=16, dv=16, dtype=torch.bfloat16)
     norms = Norms(torch.ones(32), torch.ones(32), 1e-6)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

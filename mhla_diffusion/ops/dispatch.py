@@ -26,11 +26,13 @@ from .options import MHLAOptions
 @dataclass(frozen=True)
 class Backend:
     """`run(q, k, v, mix, geometry, options, rope, group)`, and the constraints a call must meet for it;
-    `run_with_norms(..., norms)`, where the backend applies a layer's RMSNorms (`ops.norms`) itself on the way."""
+    `run_with_norms(..., norms)`, where the backend applies a layer's RMSNorms (`ops.norms`) itself on the way;
+    `rms_norm(x, weight, groups, eps)`, where it has its own kernels for those norms around the op."""
 
     run: Callable
     constraints: tuple = ()
     run_with_norms: Optional[Callable] = None
+    rms_norm: Optional[Callable] = None
 
     def refusal(self, q, k, v, geometry, options) -> Optional[str]:
         """The first failed constraint's reason, or None when the backend takes the call."""
@@ -61,6 +63,12 @@ def _run_triton_with_norms(q, k, v, mix, geometry, options, rope, norms):
     from ..kernels import op
 
     return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope, norms=norms)
+
+
+def _triton_rms_norm(x, weight, groups, eps):
+    from ..kernels import op
+
+    return op.grouped_rms_norm(x, weight, groups, eps)
 
 
 def _triton_device(q, k, v, geometry, options):
@@ -111,7 +119,7 @@ def _triton_block_length(q, k, v, geometry, options):
 # In "auto" order: the fused kernels where they apply, the reference (which takes every call) otherwise.
 BACKENDS = {
     "triton": Backend(_run_triton, (_triton_device, _triton_dtype, _triton_head_dims, _triton_feature,
-                                    _triton_block_length), _run_triton_with_norms),
+                                    _triton_block_length), _run_triton_with_norms, _triton_rms_norm),
     "torch": Backend(_run_torch),
 }
 
@@ -180,12 +188,16 @@ def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor
     sharded = group is not None
     check_inputs(q, k, v, mix, geometry, sharded)
     autocast = _autocast_dtype(q.device)
-    if norms is not None:
-        if autocast is None:  # under autocast the norms run first, and the op in autocast's type
-            chosen = choose(backend, q, k, v, geometry, options)
-            if _fuses(chosen, norms, q, k, v, mix, rope, group):
-                return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
-        q, k = norms.inputs(q, k)
+    q, k, v = _autocast_inputs(q, k, v, autocast)  # under autocast the norms and the op run in autocast's type
+    chosen = choose(backend, q, k, v, geometry, options)
+    if norms is None:
+        return chosen.run(q, k, v, mix, geometry, options, rope, group)
+    if autocast is None and _fuses(chosen, norms, q, k, v, mix, rope, group):
+        return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
+    fused = chosen.rms_norm if all(t.device == q.device for t in norms.tensors) else None
+    q, k = norms.inputs(q, k, fused)
+    # PyTorch's passes may return another type (an fp32 weight promotes bf16 q, k outside autocast): the op runs
+    # in autocast's type, or is chosen for what they returned
     q, k, v = _autocast_inputs(q, k, v, autocast)
     out = choose(backend, q, k, v, geometry, options).run(q, k, v, mix, geometry, options, rope, group)
-    return out if norms is None else norms.output(out)
+    return norms.output(out, fused)

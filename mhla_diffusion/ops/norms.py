@@ -4,7 +4,8 @@ Wan's self-attention normalizes q and k across all heads before attention (`norm
 over heads*D) and MHLA's output norm normalizes each head's output (gain (heads, Dv)). Each is a pass over a
 (B, N, heads*D) tensor: at Wan2.1-1.3B 480p about as much GPU time per layer as the MHLA op itself. `Norms` carries
 them into the op; where the kernels cannot fuse them (gradients, autocast, the reference, a context-parallel slice)
-`inputs` and `output` apply them in PyTorch, as the layer's modules do; a norm module that anything expects to run
+`inputs` and `output` apply them around it, as the layer's modules do (in the backend's kernels where it has them:
+one pass each way, with gradients, against PyTorch's ten); a norm module that anything expects to run
 (a hook, an offloading hook, a patched forward) or whose eps is left to its dtype runs itself (`layer_norms`).
 One case sees both numerics: reentrant gradient checkpointing runs the forward without autograd (fused) and its
 recomputation with it (PyTorch passes), so the loss and its gradients differ at bf16 rounding (diffusers
@@ -14,7 +15,7 @@ checkpoints non-reentrantly, which recomputes the same way twice).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,17 +39,24 @@ class Norms:
     def tensors(self) -> tuple:
         return tuple(t for t in (self.q_weight, self.k_weight, self.out_gain) if t is not None)
 
-    def inputs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k (B, N, heads, D) normalized across heads, as `torch.nn.RMSNorm(heads * D)` does."""
+    def inputs(self, q: torch.Tensor, k: torch.Tensor, fused: Optional[Callable] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (B, N, heads, D) normalized across heads, as `torch.nn.RMSNorm(heads * D)` does. fused: a backend's
+        `(x, weight, groups, eps) -> y` (`dispatch.Backend.rms_norm`), else PyTorch's passes."""
         if self.q_weight is None:
             return q, k
+        if fused is not None:
+            return tuple(fused(x.flatten(2), w, 1, self.qk_eps).view_as(x) for x, w in ((q, self.q_weight),
+                                                                                    (k, self.k_weight)))
         return tuple(F.rms_norm(x.flatten(2), (x.shape[2] * x.shape[3],), w, self.qk_eps).view_as(x)
                      for x, w in ((q, self.q_weight), (k, self.k_weight)))
 
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        """out (B, N, heads, Dv) normalized per head and scaled by the gain (fp32 inside the norm)."""
+    def output(self, out: torch.Tensor, fused: Optional[Callable] = None) -> torch.Tensor:
+        """out (B, N, heads, Dv) normalized per head and scaled by the gain (fp32 inside the norm); fused as in
+        `inputs`."""
         if self.out_gain is None:
             return out
+        if fused is not None:
+            return fused(out.flatten(2), self.out_gain, out.shape[2], self.out_eps).view_as(out)
         return F.rms_norm(out, (out.shape[-1],), eps=self.out_eps) * self.out_gain.to(out.dtype)
 
 
