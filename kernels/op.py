@@ -238,7 +238,8 @@ def mhla_rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 @mhla_rms_norm_bwd.register_fake
 def _(dy, x, weight, rstd, groups):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format))
 
 
 def _save_rms_norm_inputs(ctx, inputs, output):
@@ -258,6 +259,10 @@ mhla_rms_norm.register_autograd(_rms_norm_backward, setup_context=_save_rms_norm
 
 def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """x (..., groups * width) RMSNormed per group and scaled by weight, in x's dtype (`mhla_rms_norm`)."""
+    features = x.shape[-1]
+    if features % groups or weight.numel() != features:
+        raise ValueError(f"grouped_rms_norm needs x's last dim ({features}) to split into {groups} equal groups and "
+                         f"a weight of as many elements, got a weight of shape {tuple(weight.shape)}")
     return mhla_rms_norm(x.reshape(-1, x.shape[-1]), weight, groups, eps)[0].view(x.shape)
 
 

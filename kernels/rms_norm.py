@@ -4,9 +4,9 @@ dx backward (with per-program partial sums of the weight's gradient).
 
 Why: a Wan layer's q/k norms across heads (one group of heads * D) and MHLA's per-head output norm (heads groups of
 Dv) run around the op in training, where the kernels cannot apply them on the way (the fused norms are forward only).
-As PyTorch passes under autocast (bf16 x, fp32 weight: torch's fused rms_norm takes matching types only) each is
-about ten passes over the tensor with autograd. The PyTorch formula is `ops.norms.Norms`' own, which the tests hold
-these kernels to.
+As PyTorch passes under autocast (bf16 x, fp32 weight: torch's fused rms_norm takes matching types only) a q/k norm
+at Wan2.1-1.3B 480p took 0.675 ms forward and 2.21 ms forward+backward on an H200; these kernels 0.078 / 0.770. The
+PyTorch formula is `ops.norms.Norms`' own, which the tests hold these kernels to.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, groups, width, eps,
     w = tl.load(w_at, mask=w_mask, other=0.0).to(tl.float32)
     y_at, _ = _tile(y_ptr, r, rows, g, groups, s, width)
     tl.store(y_at, (x * rstd[:, :, None] * w).to(y_ptr.dtype.element_ty), mask=mask)
-    rstd_at = r[:, None] * groups + g[None, :]
+    rstd_at = r.to(tl.int64)[:, None] * groups + g[None, :]
     tl.store(rstd_ptr + rstd_at, rstd, mask=(r < rows)[:, None] & (g < groups)[None, :])
 
 
@@ -61,7 +61,7 @@ def _backward_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, group
         dy_at, _ = _tile(dy_ptr, r, rows, g, groups, s, width)
         x = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_at, mask=mask, other=0.0).to(tl.float32)
-        rstd_at = r[:, None] * groups + g[None, :]
+        rstd_at = r.to(tl.int64)[:, None] * groups + g[None, :]
         rstd = tl.load(rstd_ptr + rstd_at, mask=(r < rows)[:, None] & (g < groups)[None, :], other=0.0)
         xhat = x * rstd[:, :, None]
         wdy = w * dy

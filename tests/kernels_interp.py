@@ -21,7 +21,8 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
 from mhla_diffusion.kernels import mhla, parallel, rms_norm  # noqa: E402
-from mhla_diffusion.kernels.op import mhla_output, mhla_parallel, mhla_rms_norm, mhla_summaries  # noqa: E402
+from mhla_diffusion.kernels.op import (mhla_output, mhla_parallel, mhla_rms_norm, mhla_rms_norm_bwd,  # noqa: E402
+                                      mhla_summaries)
 from mhla_diffusion.ops import MHLAOptions, mhla_attention, mhla_op, naive  # noqa: E402
 from mhla_diffusion.ops.norms import Norms  # noqa: E402
 
@@ -419,8 +420,13 @@ def opcheck_case():
             torch.library.opcheck(mhla_output, (*norm_args, *options), test_utils=checks[::2])
             # the RMSNorms around the op (with autograd): q, k across heads (fp32 weight), the output norm per head
             x = torch.randn(6, 16, generator=gen).to(dtype).requires_grad_()
-            for weight, groups in ((torch.rand(16, generator=gen), 1), (torch.rand(2, 8, generator=gen), 2)):
+            # a weight in its own strides (a transposed view) too: the weight's gradient comes back contiguous
+            for weight, groups in ((torch.rand(16, generator=gen), 1), (torch.rand(2, 8, generator=gen), 2),
+                                   (torch.rand(8, 2, generator=gen).t(), 2)):
                 torch.library.opcheck(mhla_rms_norm, (x, weight.requires_grad_(), groups, 1e-6), test_utils=checks)
+                rstd = mhla_rms_norm(x.detach(), weight.detach(), groups, 1e-6)[1]
+                torch.library.opcheck(mhla_rms_norm_bwd, (torch.randn_like(x), x.detach(), weight.detach(), rstd, groups),
+                                      test_utils=checks[::2])
         # the quadratic form: the whole grid only, normalized (o and 1 / den) and unnormalized (o)
         q, k, v = (torch.randn(1, 24, 2, 16, generator=gen).to(dtype).requires_grad_() for _ in range(3))
         for normalize in (True, False):

@@ -198,6 +198,18 @@ def test_norms_are_fused_only_without_autograd_or_autocast_and_autocast_runs_the
     assert ran == ([("triton", torch.bfloat16)] if autocast else [("triton, norms on the way", torch.bfloat16)])
 
 
+def test_rms_norm_kernels_refuse_groups_that_do_not_split_the_row_or_a_weight_of_another_size():
+    """One line saying what was wrong, instead of a launch reading past the weight (a (Dv,) gain for several heads,
+    which PyTorch's passes broadcast) or leaving the row's last columns unwritten."""
+    from mhla_diffusion.kernels.op import grouped_rms_norm
+
+    x = torch.randn(3, 2, 16)
+    with pytest.raises(ValueError, match=r"last dim \(16\) to split into 3 equal groups"):
+        grouped_rms_norm(x, torch.ones(16), 3, 1e-6)
+    with pytest.raises(ValueError, match=r"weight of shape \(8,\)"):
+        grouped_rms_norm(x, torch.ones(8), 2, 1e-6)
+
+
 def test_under_autocast_the_op_returns_autocasts_type_but_for_fp64_and_meta_tensors_run():
     """As autocast treats SDPA: fp32 inputs under bf16 autocast give a bf16 output (close to the fp32 one), fp64
     inputs stay fp64; tensors on the meta device, which has no autocast, still give a meta output."""

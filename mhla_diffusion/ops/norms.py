@@ -4,11 +4,11 @@ Wan's self-attention normalizes q and k across all heads before attention (`norm
 over heads*D) and MHLA's output norm normalizes each head's output (gain (heads, Dv)). Each is a pass over a
 (B, N, heads*D) tensor: at Wan2.1-1.3B 480p about as much GPU time per layer as the MHLA op itself. `Norms` carries
 them into the op; where the kernels cannot fuse them (gradients, autocast, the reference, a context-parallel slice)
-`inputs` and `output` apply them around it, as the layer's modules do (in the backend's kernels where it has them:
-one pass each way, with gradients, against PyTorch's ten); a norm module that anything expects to run
+`inputs` and `output` apply them around it, as the layer's modules do (in the backend's RMSNorm kernels where it
+has them: one launch each way, with gradients); a norm module that anything expects to run
 (a hook, an offloading hook, a patched forward) or whose eps is left to its dtype runs itself (`layer_norms`).
 One case sees both numerics: reentrant gradient checkpointing runs the forward without autograd (fused) and its
-recomputation with it (PyTorch passes), so the loss and its gradients differ at bf16 rounding (diffusers
+recomputation with it (the norms around the op), so the loss and its gradients differ at bf16 rounding (diffusers
 checkpoints non-reentrantly, which recomputes the same way twice).
 """
 
