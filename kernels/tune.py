@@ -1,11 +1,12 @@
 """Developer tool: where the time of one MHLA call goes, stage by stage, and launch-config sweeps.
 
     python -c "from mhla_diffusion.kernels.tune import main; main()" [--tune summary output grad gram mix]
-        [--sweep rope|short] [--shapes wan480 ... wan480auto ... dit512 ...]
+        [--sweep rope|short|rms_norm] [--shapes wan480 ... wan480auto ... dit512 ...]
 
 Prints median ms (triton.testing.do_bench) of each stage of forward and backward at the
 Wan2.1 shapes (or `--shapes`); with --tune KERNEL..., first a coordinate descent over SWEEP for those kernels'
-`mhla.CONFIG` entries on the first shape. The chosen values are copied into `mhla.CONFIG`.
+`mhla.CONFIG` entries on the first shape. The chosen values are copied into `mhla.CONFIG`. `--sweep rms_norm` times
+`rms_norm.CONFIG`'s candidates at the norms a Wan layer runs around the op in training (`RMS_NORM_SHAPES`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from ..blocks import block_geometry, locality_mix, resolve_blocks
 from ..ops import mhla_attention  # the whole op as callers get it: a developer tool, not the kernels' own import
-from . import fitting, mhla
+from . import fitting, mhla, rms_norm
 
 SHAPES = {
     "wan480": (12, 128, (21, 30, 52), (3, 4, 5)), "wan720": (40, 128, (21, 45, 80), (3, 5, 8)),
@@ -189,6 +190,39 @@ def sweep(kind: str, shapes=None) -> dict:
     return winners
 
 
+# (rows, groups, width): a Wan layer's q or k across heads and its per-head output norm, at 1.3B 480p and 14B 720p
+RMS_NORM_SHAPES = {"1.3B q/k": (32760, 1, 1536), "1.3B out": (32760, 12, 128),
+                   "14B q/k": (75600, 1, 5120), "14B out": (75600, 40, 128)}
+RMS_NORM_CANDIDATES = {
+    "forward": [dict(tile=t, num_warps=w) for t in (1024, 2048, 4096, 8192) for w in (4, 8, 16)],
+    "backward": [dict(tile=t, num_warps=w, programs_per_sm=p) for t in (1024, 2048, 4096, 8192) for w in (4, 8, 16)
+                 for p in (2, 4, 8, 16)],
+}
+
+
+def sweep_rms_norm() -> dict:
+    """ms of each `rms_norm.CONFIG` candidate, per kernel, at `RMS_NORM_SHAPES` in bf16 with an fp32 weight; the
+    candidate with the least mean time relative to each shape's best wins and is left in `rms_norm.CONFIG`."""
+    inputs = {}
+    for name, (rows, groups, width) in RMS_NORM_SHAPES.items():
+        x = torch.randn(rows, groups * width, device="cuda", dtype=torch.bfloat16)
+        weight = 1 + 0.1 * torch.randn(groups * width, device="cuda")
+        inputs[name] = (x, weight, torch.randn_like(x), groups, rms_norm.rms_norm_forward(x, weight, groups, 1e-6)[1])
+    calls = {"forward": lambda x, w, dy, g, rstd: rms_norm.rms_norm_forward(x, w, g, 1e-6),
+             "backward": lambda x, w, dy, g, rstd: rms_norm.rms_norm_backward(dy, x, w, rstd, g)}
+    for kernel, candidates in RMS_NORM_CANDIDATES.items():
+        times = []
+        for cand in candidates:
+            rms_norm.CONFIG[kernel] = cand
+            times.append({n: do_bench(lambda: calls[kernel](*args), return_mode="median") for n, args in inputs.items()})
+            print(f"rms_norm {kernel} {cand}: " + ", ".join(f"{n} {ms:.4f}" for n, ms in times[-1].items()), flush=True)
+        best = {n: min(t[n] for t in times) for n in inputs}
+        score = [sum(t[n] / best[n] for n in inputs) / len(inputs) for t in times]
+        rms_norm.CONFIG[kernel] = candidates[score.index(min(score))]
+        print(f"rms_norm {kernel}: keep {rms_norm.CONFIG[kernel]} ({min(score):.3f} x each shape's best)", flush=True)
+    return rms_norm.CONFIG
+
+
 def _max_block_tokens(name: str) -> int:
     """Tokens of the fullest block of a SHAPES entry (the `max_len` the launch config sees)."""
     _, _, grid, blocks = SHAPES[name]
@@ -200,14 +234,18 @@ def main(argv=None) -> None:
     parser.add_argument("--tune", nargs="*", choices=list(mhla.CONFIG), help="kernels whose config to tune")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
                         help="default: the Wan shapes; for --sweep, the shapes its table applies to")
-    parser.add_argument("--sweep", choices=list(SWEEPS),
-                        help="only sweep the launch-option overrides of the RoPE variants or of short blocks")
+    parser.add_argument("--sweep", choices=[*SWEEPS, "rms_norm"],
+                        help="only sweep the launch-option overrides of the RoPE variants or of short blocks, or the "
+                             "RMSNorm kernels' settings")
     args = parser.parse_args(argv)
     with fitting.as_asked():  # a candidate the card refuses is skipped, not timed at smaller settings
         _run(args)
 
 
 def _run(args) -> None:
+    if args.sweep == "rms_norm":
+        sweep_rms_norm()
+        return
     if args.sweep:
         sweep(args.sweep, args.shapes)
         return

@@ -87,7 +87,7 @@ IMPLS = {
     "mhla": ("MHLA", True),
     "mhla_used": ("MHLA as used", True),
     # as used, with Wan's q/k RMSNorms across heads and MHLA's output norm: in PyTorch passes around the op, and
-    # applied by the kernels on the way (forward without autograd only; its backward runs the passes)
+    # applied by the kernels on the way (forward without autograd; with it, the RMSNorm kernels around the op)
     "mhla_norm_passes": ("as used + norm passes", True),
     "mhla_norms": ("as used, norms on the way", True),
 }
