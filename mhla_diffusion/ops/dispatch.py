@@ -196,8 +196,8 @@ def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor
         return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
     fused = chosen.rms_norm if all(t.device == q.device for t in norms.tensors) else None
     q, k = norms.inputs(q, k, fused)
-    # a norm's passes may return another type than they were given (session 28 assumed autocast's rms_norm returns
-    # fp32): the op runs in autocast's type, or is chosen for what they returned
-    q, k, v = _autocast_inputs(q, k, v, autocast)
-    out = choose(backend, q, k, v, geometry, options).run(q, k, v, mix, geometry, options, rope, group)
-    return norms.output(out, fused)
+    if fused is None:  # PyTorch's passes may return another type than they were given (session 28 assumed
+        # autocast's rms_norm returns fp32): the op runs in autocast's type, or is chosen for what they returned
+        q, k, v = _autocast_inputs(q, k, v, autocast)
+        chosen = choose(backend, q, k, v, geometry, options)
+    return norms.output(chosen.run(q, k, v, mix, geometry, options, rope, group), fused)
