@@ -170,9 +170,9 @@ def rms_norm_case():
     return errors
 
 
-def wan_model_case():
-    """A converted Wan transformer (head dim 16, so the kernels take it) under `torch.no_grad`, its q/k and output
-    norms applied by the kernels, against the same model in fp64 (the reference path)."""
+def converted_wan(seed: int):
+    """A converted Wan transformer (head dim 16, so the kernels take it) with a trained-looking output gain, and
+    example inputs drawn with `seed`."""
     configure(FEW)
     from mhla_diffusion import convert
     from mhla_diffusion.families import family_of
@@ -180,15 +180,45 @@ def wan_model_case():
 
     model = build_transformer("wan", attention_head_dim=16)
     convert(model)
-    for proc in model.attn_processors.values():  # a trained-looking output gain
+    for proc in model.attn_processors.values():
         if getattr(proc, "norm_gain", None) is not None:
             proc.norm_gain.data.uniform_(0.5, 1.5)
-    inputs = family_of(model).example_inputs(model, (16, 2, 8, 12), generator=torch.Generator().manual_seed(6))
+    return model, family_of(model).example_inputs(model, (16, 2, 8, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def wan_model_case():
+    """A converted Wan transformer under `torch.no_grad`, its q/k and output norms applied by the kernels, against
+    the same model in fp64 (the reference path)."""
+    model, inputs = converted_wan(6)
     with torch.no_grad(), counting(mhla, "token_rstd") as rstd:
         out = model(**inputs, return_dict=False)[0]
         model.double()
         ref = model(**{k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}, return_dict=False)[0]
     return {"model output": rel(out, ref), "q/k norms outside the kernels": float(rstd.calls != 2 * 2)}  # 2 layers
+
+
+def wan_training_case():
+    """A converted Wan transformer trained a step's worth: forward and backward through the model, its q/k and output
+    norms in the RMSNorm kernels both ways (2 layers x 3 norms), against the same model in fp64 (the reference path):
+    the output and the gradients of the norms' weights and of the projections."""
+    import copy
+
+    model, inputs = converted_wan(8)
+    ref_model = copy.deepcopy(model).double()
+    with counting(rms_norm, "rms_norm_forward") as forward:
+        out = model(**inputs, return_dict=False)[0]
+    ref = ref_model(**{k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}, return_dict=False)[0]
+    do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    with counting(rms_norm, "rms_norm_backward") as backward:
+        out.backward(do.float())
+    ref.backward(do)
+    errors = {"model output": rel(out, ref),
+              "norms not in the RMSNorm kernels": float((forward.calls, backward.calls) != (6, 6))}
+    grads = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        if "attn1" in name and any(key in name for key in ("norm_q", "norm_k", "norm_gain", "to_q")):
+            errors[f"d {name}"] = rel(p.grad, grads[name].grad)
+    return errors
 
 
 def stage_case(launch):
@@ -454,6 +484,7 @@ CASES = {
                                                                            launch=SPLIT),
     "norms on the way, Dv tiled (output norm after)": lambda: norms_case(136, 72, rope=False),
     "wan model, norms on the way": wan_model_case,
+    "wan model training, norms around the op": wan_training_case,
     "rms norm kernels": rms_norm_case,
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),

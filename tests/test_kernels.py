@@ -38,6 +38,7 @@ CASES = [
     "norms on the way, normalized Dv!=D split programs",
     "norms on the way, Dv tiled (output norm after)",
     "wan model, norms on the way",
+    "wan model training, norms around the op",
     "rms norm kernels",
     "stages",
     "stages split programs",
