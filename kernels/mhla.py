@@ -429,27 +429,44 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 
 @triton.jit
-def _mix_kernel(mix_ptr, s_ptr, out_ptr, M, F, MP, ssb, ssf,
-                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[i, f] = sum_b mix[i, b] s[b, f] ((M, MP) mix in s's type, zero beyond column M, MP a multiple of 16 that
-    lets its row loads vectorize; (M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op, where
-    `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32).
+def _mix_walk(a, src_ptr, dst_ptr, i, mask_i, k, M, F, sb, sf, first, step, BLOCK_F: tl.constexpr):
+    """dst[i, f] = sum_b a[i, b] src[b, f] for the BLOCK_F column tiles first, first + step, ...; int64 row offsets
+    (M * F passes 2^31 for long videos)."""
+    dst_rows = dst_ptr + i.to(tl.int64)[:, None] * F
+    for t in range(first, tl.cdiv(F, BLOCK_F), step):
+        f = t * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask_f = f < F
+        acc = tl.dot(a, _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f))
+        tl.store(dst_rows + f[None, :], acc.to(dst_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :])
+
+
+@triton.jit
+def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, M, F, FZ, KM, smi, smk, ssb, ssf, szb, szf, s_walks,
+                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr):
+    """out[i, f] = sum_b mix[i, b] s[b, f] ((M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op,
+    where `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32), and
+    with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in TF32 with mix as given.
+    mix: read through its strides (smi, smk) up to column KM, converted to s's type in the kernel: either the
+    padded operand `_mix_operand` makes (KM its width, a multiple of 16: vectorized row loads) or, up to
+    CONFIG["mix"]["fold_up_to"] blocks, the fp32 matrix (or the backward's mix^T view) as the caller holds it.
     Row-stationary: the program holds the BLOCK_M rows of grid axis 0 of mix over all M <= BLOCK_K columns (loaded
-    once, kept in shared memory) and walks the BLOCK_F column tiles of s from axis 1's index in steps of axis 1's
-    size, the launch's num_stages tiles in flight; the programs of one walk, one per row block, are adjacent in
-    launch order, so each S tile comes from HBM once and from L2 for the other row blocks. Row offsets into s and
-    out are int64: M * F passes 2^31 for long videos."""
+    once, kept in shared memory) and walks the BLOCK_F column tiles of s from axis 1's index in steps of s_walks
+    (axis 1's programs past s_walks walk z's tiles), the launch's num_stages tiles in flight; the programs of one
+    walk, one per row block, are adjacent in launch order, so each S tile comes from HBM once and from L2 for the
+    other row blocks."""
     r, p = tl.program_id(0), tl.program_id(1)
     i = r * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_i = i < M
-    out_rows = out_ptr + i.to(tl.int64)[:, None] * F
     k = tl.arange(0, BLOCK_K)
-    a = _tile(mix_ptr, i, MP, mask_i, k, 1, k < MP)
-    for t in range(p, tl.cdiv(F, BLOCK_F), tl.num_programs(1)):
-        f = t * BLOCK_F + tl.arange(0, BLOCK_F)
-        mask_f = f < F
-        acc = tl.dot(a, _tile(s_ptr, k.to(tl.int64), ssb, k < M, f, ssf, mask_f))
-        tl.store(out_rows + f[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :])
+    a = _tile(mix_ptr, i, smi, mask_i, k, smk, k < KM)
+    z_walk = False
+    if WITH_Z:
+        z_walk = p >= s_walks
+    if z_walk:
+        _mix_walk(a.to(tl.float32), z_ptr, zout_ptr, i, mask_i, k, M, FZ, szb, szf, p - s_walks,
+                  tl.num_programs(1) - s_walks, BLOCK_F)
+    else:
+        _mix_walk(a.to(s_ptr.dtype.element_ty), s_ptr, out_ptr, i, mask_i, k, M, F, ssb, ssf, p, s_walks, BLOCK_F)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -515,13 +532,14 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # up to "max_blocks" blocks (more take cuBLAS: `mixes_with_kernel`). H200, session 34 sweeps (BENCHMARKS.md), bf16 S,
 # us, session 29's kernel (a program per S tile, all rows) -> this: 180 blocks 89.0 -> 64.0, 252: 343.5 -> 263.4
 # (wide: 232.3), 121 (SANA 4K): 17.8 -> 13.2, 60: 20.3 -> 15.2; wide at 180 blocks 67.5, at 256 13.9 (not wide 15.3).
+# Up to "fold_up_to" blocks it reads mix unpadded and mixes z in the same launch (session 37, not yet timed).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
-            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}},
+            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
@@ -738,14 +756,16 @@ def _mix_settings(m: int) -> dict:
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _mix_launch(m: int, f: int, settings: dict) -> tuple[tuple[int, int], dict]:
+def _mix_launch(m: int, f: int, settings: dict, fz: int = 0) -> tuple[tuple[int, int], dict]:
     """Grid and launch arguments of `_mix_kernel` for (M x M) @ (M x F) at `settings` (`_mix_settings`): a program
-    per row block and walk, settings["programs"] programs in all (fewer where F has fewer tiles)."""
+    per row block and walk, settings["programs"] programs in all (fewer where F has fewer tiles); with `fz` columns
+    of z as well, as many again at most for z's tiles (s_walks: the walks over S)."""
     row_blocks = triton.cdiv(m, settings["block_m"])
-    walks = max(1, min(triton.cdiv(f, settings["block_f"]), settings["programs"] // row_blocks))
-    return (row_blocks, walks), dict(BLOCK_M=settings["block_m"], BLOCK_F=settings["block_f"],
-                                     BLOCK_K=max(16, _pow2(m)), num_warps=settings["num_warps"],
-                                     num_stages=settings["num_stages"])
+    walks = [max(1, min(triton.cdiv(cols, settings["block_f"]), settings["programs"] // row_blocks))
+             for cols in (f, fz) if cols]
+    return (row_blocks, sum(walks)), dict(s_walks=walks[0], BLOCK_M=settings["block_m"], BLOCK_F=settings["block_f"],
+                                          BLOCK_K=max(16, _pow2(m)), WITH_Z=bool(fz), num_warps=settings["num_warps"],
+                                          num_stages=settings["num_stages"])
 
 
 def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -753,26 +773,39 @@ def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) ->
     vectorize (masked at 180 or 252 they were 2-byte loads in bf16), and the backward's mix^T view becomes the same
     contiguous operand (read through its strides it took 255 registers and spilled at 180 and 252 blocks; sm_90
     compiles, `resources.py`). An (M x M) copy, as cuBLAS' mix.to(s.dtype) made; written into a fresh buffer, as
-    torch's pad and .to() hand mix^T back in its own strides where there is nothing to pad or convert."""
+    torch's pad and .to() hand mix^T back in its own strides where there is nothing to pad or convert. Up to
+    CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is instead (`mix_with_kernel`)."""
     m = mix.shape[0]
     out = torch.zeros((m, triton.cdiv(m, 16) * 16), device=device, dtype=dtype)
     out[:, :m] = mix.detach()
     return out
 
 
-def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """sum_b mix[i, b] s[b] by `_mix_kernel`, in s's type (fp32 accumulate)."""
+def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None):
+    """(sum_b mix[i, b] s[b] in s's type, the same of fp32 z or None) by one `_mix_kernel` launch (fp32 accumulate).
+    Up to CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is, and mixes z in the same launch: at short
+    sequences the padded copy, its fill and z's own GEMM were three of the forward's seven launches (DiT-XL/2 512 px:
+    6 of its 50 us); z is only taken there."""
     flat = s.flatten(1)
     m = s.shape[0]
-    a = _mix_operand(mix, s.dtype, s.device)
+    direct = m <= CONFIG["mix"]["fold_up_to"]
+    if z is not None and not direct:
+        raise ValueError(f"the mixing kernel mixes z in the same launch up to {CONFIG['mix']['fold_up_to']} blocks, "
+                         f"not {m}: mix z on its own (`mix_blocks`)")
+    a = mix.detach() if direct else _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
+    z_flat = flat if z is None else z.flatten(1)
+    z_out = out if z is None else torch.empty(z_flat.shape, device=z.device, dtype=z.dtype)
 
     def launch(settings):
-        grid, kwargs = _mix_launch(m, flat.shape[1], settings)
-        _mix_kernel[grid](a, flat, out, m, flat.shape[1], a.stride(0), flat.stride(0), flat.stride(1), **kwargs)
+        grid, kwargs = _mix_launch(m, flat.shape[1], settings, 0 if z is None else z_flat.shape[1])
+        _mix_kernel[grid](a, flat, out, z_flat, z_out, m, flat.shape[1], z_flat.shape[1], m if direct else a.shape[1],
+                          a.stride(0), a.stride(1), flat.stride(0), flat.stride(1), z_flat.stride(0), z_flat.stride(1),
+                          **kwargs)
 
-    launch_within_card(_mix_kernel, s.device, _mix_settings(m), step_tiles("mix"), {"dtype": s.dtype, "M": m}, launch)
-    return out.view(s.shape)
+    launch_within_card(_mix_kernel, s.device, _mix_settings(m), step_tiles("mix"),
+                       {"dtype": s.dtype, "M": m, "z": z is not None}, launch)
+    return out.view(s.shape), None if z is None else z_out.view(z.shape)
 
 
 def mixes_with_kernel(s: torch.Tensor) -> bool:
@@ -812,9 +845,17 @@ def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.
     and a batched one folds into a copy of s, grad mode or not.
     """
     if mixes_with_kernel(s):
-        return mix_with_kernel(mix, s)
+        return mix_with_kernel(mix, s)[0]
     with _tf32(dtype != torch.float32):
         return torch.mm(mix.detach().to(s.dtype), s.flatten(1)).view(s.shape)
+
+
+def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype):
+    """(mix @ s, mix @ z) as `mix_blocks` makes each, in one launch where the kernel folds z in (bf16 s at up to
+    CONFIG["mix"]["fold_up_to"] blocks); z None (unnormalized: nothing to mix) gives None."""
+    if z is not None and mixes_with_kernel(s) and s.shape[0] <= CONFIG["mix"]["fold_up_to"]:
+        return mix_with_kernel(mix, s, z)
+    return mix_blocks(mix, s, dtype), None if z is None else mix_blocks(mix, z, dtype)
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -855,20 +896,20 @@ def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: boo
                    out_norm=None):
     """The output of the call's queries from the complete summaries (S in `state_dtype`); `block_output` says what
     q_norm and out_norm apply."""
-    return block_output(q, mix_blocks(mix, s, q.dtype), mix_blocks(mix, z, q.dtype) if normalize else z, rope, g,
-                        elu=elu, normalize=normalize, eps=eps, out_dtype=q.dtype, q_norm=q_norm, out_norm=out_norm)
+    mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype)
+    return block_output(q, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, normalize=normalize, eps=eps,
+                        out_dtype=q.dtype, q_norm=q_norm, out_norm=out_norm)
 
 
 def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
     """dq, dmix and the gradients (dS, dz) of the summaries; for a slice, dmix, dS and dz are its queries' share."""
     # unnormalized: z (zeros) and dz~ only stand in for the kernels' unused normalizer vectors, and are not mixed
-    mixed_s, mixed_z = mix_blocks(mix, s, q.dtype), (mix_blocks(mix, z, q.dtype) if normalize else z)
-    dq, _, rden, c = block_grad(q, do, mixed_s, mixed_z, rope, g, elu=elu, stats=normalize, use_vec=normalize,
-                                with_dy=False, eps=eps)
+    mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype)
+    dq, _, rden, c = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, stats=normalize,
+                                use_vec=normalize, with_dy=False, eps=eps)
     ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
     dmix = block_gram(ds_mixed, s, q.dtype)
     if normalize:
         dmix += block_gram(dz_mixed, z, q.dtype)
-    mix_t = mix.t()
-    dz = mix_blocks(mix_t, dz_mixed, q.dtype) if normalize else dz_mixed
-    return dq, dmix.to(mix.dtype), mix_blocks(mix_t, ds_mixed, q.dtype), dz
+    ds, dz = mix_summaries(mix.t(), ds_mixed, dz_mixed if normalize else None, q.dtype)
+    return dq, dmix.to(mix.dtype), ds, dz_mixed if dz is None else dz

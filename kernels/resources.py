@@ -10,8 +10,9 @@ shared memory, and counts of the SASS instructions that decide speed: tensor-cor
 the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and scalar 16-bit global loads,
 local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
 Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
-per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's row (`mhla.CONFIG["mix"]`) is
-at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over all 256 (padded) columns.
+per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's rows (`mhla.CONFIG["mix"]`)
+are at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over all 256 (padded)
+columns, and at DiT-XL/2 512 px's 30 blocks, where it reads the fp32 matrix unpadded and mixes z too.
 A row may name another input type ("DTYPE": the fp16 key-gradient row, on fp16's untuned settings with fp32 S and
 tables). `row_settings` and `compile_row` also compile a row for another GPU at other settings: the tests check that
 the settings `fitting.smaller` steps down to fit an A100's and a 4090's shared memory.
@@ -38,7 +39,7 @@ from . import mhla, parallel
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
 # mixing matrix as the mixing kernel gets it and, since op._table, RoPE tables are bf16 for bf16 inputs.
-FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr"}
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "zout_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr"}
 # Pointer types of a token-kernel call by input type: (the inputs' and outputs', pointers that are fp32). fp16 inputs
 # keep S and RoPE tables in fp32 (`mhla.state_dtype`, `op._table`).
 POINTER_TYPES = {torch.bfloat16: ("*bf16", FP32_POINTERS),
@@ -51,6 +52,10 @@ DIVISIBLE = re.compile(r"^s[a-z]*[bnh]$")
 INSTRUCTIONS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
 BF16 = dict(DOT=tl.bfloat16, PRECISION="tf32", scd=1)  # RoPE tables: unit stride along D (JIT: constant 1)
 TILE = dict(BLOCK_D=128, BLOCK_DV=128, D=128, DV=128)  # head dims are constexprs: masks at D = 72 vectorize too
+# Blocks of the 14B mixing row (Wan2.1-14B 720p in its "auto" cut (3, 7, 12)); S and z columns (B*heads*D*Dv,
+# B*heads*D) of the mixing rows by their blocks: that model, and DiT-XL/2 512 px (30 blocks, 16 x 72 heads), B = 1
+MIX_BLOCKS = 252
+MIX_COLUMNS = {MIX_BLOCKS: (40 * 128 * 128, 40 * 128), 30: (16 * 72 * 72, 16 * 72)}
 WAN_BLOCK_TOKENS = 7 * 8 * 11  # longest block of Wan2.1-1.3B 480p: grid (21, 30, 52) cut (3, 4, 5)
 DIT_BLOCK_TOKENS = 7 * 6  # longest block of DiT-XL/2 512 px: grid (1, 32, 32) cut (1, 5, 6); mhla.SHORT_CONFIG applies
 # name: (kernel, CONFIG entry, constexprs besides the config's block_n[, tokens of the longest block: Wan's if absent])
@@ -86,8 +91,10 @@ KERNELS = {
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),
     # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) on bf16 S at the 14B model's 252 blocks,
-    # forward and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand)
-    "mix bf16": (mhla._mix_kernel, "mix", {}),
+    # forward and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand); at DiT-XL/2 512 px's 30
+    # blocks with mix as the model holds it (fp32, unpadded) and z mixed in the same launch
+    "mix bf16": (mhla._mix_kernel, "mix", dict(M=MIX_BLOCKS)),
+    "mix bf16 z folded": (mhla._mix_kernel, "mix", dict(M=30, WITH_Z=True)),
     # the quadratic form (`parallel.CONFIG`) for 16 x 72 heads: DiT-XL/2 256 px (256 tokens, 16 blocks), and the
     # forward over 256 tokens (24 x 24 tokens, 16 blocks); fp32 mix
     "parallel fwd d72": (parallel._parallel_kernel, "parallel", dict(grid=(1, 16, 16))),
@@ -95,8 +102,6 @@ KERNELS = {
     "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False, grid=(1, 16, 16))),
     "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True, grid=(1, 16, 16))),
 }
-# Blocks and S columns (B*heads*D*Dv) of the mixing row: Wan2.1-14B 720p in its "auto" cut (3, 7, 12), B = 1.
-MIX_BLOCKS, MIX_COLUMNS = 252, 40 * 128 * 128
 
 
 def _tool(name: str) -> str:
@@ -149,14 +154,18 @@ def usage(compiled) -> dict:
     return row
 
 
-def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict]:
-    """Arguments and launch options of the mixing row at `settings`: `mhla._mix_launch` at MIX_BLOCKS, mix as
-    `mhla._mix_operand` lays it out (zero-padded to 16 columns) and contiguous S, specialized as the JIT specializes
-    them."""
-    _, launch = mhla._mix_launch(MIX_BLOCKS, MIX_COLUMNS, settings)
+def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
+    """Arguments, launch options and fp32 pointers of a mixing row at `settings`: `mhla._mix_launch` at the row's
+    M, mix as the launcher passes it (`mhla._mix_operand`'s zero-padded bf16 copy; with WITH_Z, the fp32 matrix
+    unpadded) and contiguous S and z, specialized as the JIT specializes them."""
+    constexprs = dict(constexprs)
+    m, with_z = constexprs.pop("M"), constexprs.get("WITH_Z", False)
+    f, fz = MIX_COLUMNS[m]
+    _, launch = mhla._mix_launch(m, f, settings, fz if with_z else 0)
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
-    sizes = dict(M=MIX_BLOCKS, F=MIX_COLUMNS, MP=triton.cdiv(MIX_BLOCKS, 16) * 16, ssb=MIX_COLUMNS, ssf=1)
-    return {**sizes, **launch, **constexprs}, options
+    width = m if with_z else triton.cdiv(m, 16) * 16
+    sizes = dict(M=m, F=f, FZ=fz, KM=width, smi=width, smk=1, ssb=f, ssf=1, szb=fz, szf=1)
+    return {**sizes, **launch, **constexprs}, options, FP32_POINTERS | ({"mix_ptr"} if with_z else set())
 
 
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
@@ -184,7 +193,7 @@ def row_settings(row: tuple) -> tuple[dict, tuple]:
     shared memory, as the launchers pass them."""
     kernel, entry, constexprs, *block_tokens = row
     if entry == "mix":
-        return mhla._mix_settings(MIX_BLOCKS), mhla.step_tiles("mix")
+        return mhla._mix_settings(constexprs["M"]), mhla.step_tiles("mix")
     if entry == "parallel":
         return _parallel_row(constexprs)[1], mhla.step_tiles("parallel")
     d, dv = constexprs.get("D", TILE["D"]), constexprs.get("DV", TILE["DV"])

@@ -57,19 +57,19 @@ def stages(name: str) -> dict:
     g = mhla.Geometry(q, v, block_geometry(grid, blocks))
     kw = dict(elu=False, eps=1e-6)
     s, z = mhla.block_summaries(k, v, None, g, elu=False, with_z=True)
-    ms, mz = mhla.mix_blocks(mix, s, q.dtype), mhla.mix_blocks(mix, z, q.dtype)
+    ms, mz = mhla.mix_summaries(mix, s, z, q.dtype)
     dq, _, rden, c = mhla.block_grad(q, do, ms, mz, None, g, stats=True, use_vec=True, with_dy=False, **kw)
     dms, dmz = mhla.block_summaries(q, do, None, g, elu=False, with_z=True, y_scale=rden, z_weight=c)
     timed = {
         "fwd: summaries": lambda: mhla.block_summaries(k, v, None, g, elu=False, with_z=True),
-        "fwd: mix (S and z)": lambda: (mhla.mix_blocks(mix, s, q.dtype), mhla.mix_blocks(mix, z, q.dtype)),
+        "fwd: mix (S and z)": lambda: mhla.mix_summaries(mix, s, z, q.dtype),
         "fwd: output": lambda: mhla.block_output(q, ms, mz, None, g, normalize=True, out_dtype=q.dtype, **kw),
         "bwd: dq + stats": lambda: mhla.block_grad(q, do, ms, mz, None, g, stats=True, use_vec=True, with_dy=False,
                                                    **kw),
         "bwd: dS~ summaries": lambda: mhla.block_summaries(q, do, None, g, elu=False, with_z=True, y_scale=rden,
                                                            z_weight=c),
         "bwd: dmix": lambda: (mhla.block_gram(dms, s, q.dtype), mhla.block_gram(dmz, z, q.dtype)),
-        "bwd: mix^T": lambda: (mhla.mix_blocks(mix.t(), dms, q.dtype), mhla.mix_blocks(mix.t(), dmz, q.dtype)),
+        "bwd: mix^T": lambda: mhla.mix_summaries(mix.t(), dms, dmz, q.dtype),
         "bwd: dk, dv": lambda: mhla.block_grad(k, v, ms, mz, None, g, stats=False, use_vec=True, with_dy=True, **kw),
     }
     return {key: do_bench(fn, return_mode="median") for key, fn in timed.items()}

@@ -270,18 +270,23 @@ def mix_case():
     """The mixing kernel (`mhla.mix_with_kernel`; the op takes it for bf16 summaries, whose products the interpreter
     computes unreliably) at 1 to 256 blocks (`CONFIG["mix"]["max_blocks"]`) with each program on one S tile or one
     program per row block walking them all, with mix and the backward's strided mix^T, on fp32 S (F a multiple of the
-    column tile) and z (F no multiple of it), against the fp64 product. The interpreter multiplies them in IEEE fp32."""
+    column tile) and z (F no multiple of it), against the fp64 product: up to `CONFIG["mix"]["fold_up_to"]` blocks
+    on mix unpadded with z mixed in the same launch, over that on the padded copy, S and z in a launch each. The
+    interpreter multiplies them in IEEE fp32."""
     gen = torch.Generator().manual_seed(7)
     errors = {}
-    for m in (1, 2, 7, 16, 60, 130, 252, 256):  # 16, 256: multiples of 16, where mix needs no padding
+    for m in (1, 2, 7, 16, 32, 33, 60, 130, 252, 256):  # 16, 32, 256: multiples of 16, where mix needs no padding
         mix = torch.rand(m, m, generator=gen)
-        summaries = {"S": torch.randn(m, 3, 16, 8, generator=gen), "z": torch.rand(m, 3, 20, generator=gen)}
+        s, z = torch.randn(m, 3, 16, 8, generator=gen), torch.rand(m, 3, 20, generator=gen)
+        folded = m <= mhla.CONFIG["mix"]["fold_up_to"]
         for tiling, programs in {"a tile each": mhla.CONFIG["mix"]["programs"], "one walk": 1}.items():
             with overriding(mhla.CONFIG["mix"], programs=programs):
                 for mat_name, mat in (("mix", mix), ("mix^T", mix.t())):
-                    for name, x in summaries.items():
+                    out = mhla.mix_with_kernel(mat, s, z) if folded else (mhla.mix_with_kernel(mat, s)[0],
+                                                                           mhla.mix_with_kernel(mat, z)[0])
+                    for name, x, got in (("S", s, out[0]), ("z" + " folded" * folded, z, out[1])):
                         ref = torch.einsum("ij,j...->i...", mat.double(), x.double())
-                        errors[f"M={m} {tiling} {mat_name} {name}"] = rel(mhla.mix_with_kernel(mat, x), ref)
+                        errors[f"M={m} {tiling} {mat_name} {name}"] = rel(got, ref)
     return errors
 
 
@@ -376,7 +381,7 @@ def refusing_card_case():
             refused = sum(card.refused for card in cards.values())
             linear = op_case((2, 5, 7), (1, 2, 3), 2, 16, 40)
             errors.update({f"{run} run, linear path {key}": err for key, err in linear.items() if key != "dtype"})
-            errors[f"{run} run, mixing kernel"] = rel(mhla.mix_with_kernel(mix, s),
+            errors[f"{run} run, mixing kernel"] = rel(mhla.mix_with_kernel(mix, s)[0],
                                                       torch.einsum("ij,j...->i...", mix.double(), s.double()))
             leaves = [t.detach().requires_grad_() for t in (q, k, v, mix)]
             out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], True, 1e-6, "elu")

@@ -253,7 +253,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim (72, no multiple
     of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they were scalar 2-byte
     loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's 252 blocks
-    (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared memory."""
+    (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared memory; at
+    DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -262,8 +263,9 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     rows = {cells[0]: dict(zip(header, cells)) for cells in
             ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
     assert set(rows) == set(resources.KERNELS)
-    # wgmma for bf16 at Wan's block length (fp16's fp32 operands on 32-token tiles take the warp-level mma)
-    assert all(int(row["HGMMA"]) > 0 for name, row in rows.items() if not name.endswith(("d72", "fp16")))
+    # wgmma for bf16 at Wan's block length (fp16's fp32 operands on 32-token tiles and 30 blocks' 32-row mix take the
+    # warp-level mma)
+    assert all(int(row["HGMMA"]) > 0 for name, row in rows.items() if not name.endswith(("d72", "fp16", "z folded")))
     assert all(int(row["HGMMA"]) + int(row["HMMA"]) > 0 for row in rows.values())
     forward = rows["summary fwd"]
     assert int(forward["regs"]) <= 128 and int(forward["stack B"]) == 0 and int(forward["LDL"]) == 0
@@ -275,6 +277,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
     row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
+    row = rows["mix bf16 z folded"]  # S's and z's walks both pipelined (async copies), nothing spilled
+    assert int(row["stack B"]) == 0 and int(row["LDGSTS"]) > 0 and int(row["regs"]) <= 64, row
     # every kernel's CONFIG settings within the H200's 232,448 bytes of shared memory per program, as tuned there
     assert all(int(r["smem B"]) <= 232448 for r in rows.values()), {n: r["smem B"] for n, r in rows.items()}
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
@@ -464,32 +468,97 @@ def _record_mix_launches(monkeypatch) -> list:
     return launches
 
 
-@pytest.mark.parametrize("m", [6, 16])  # 16: no padding to add, which torch's pad and .to() did in mix^T's strides
-@pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
-def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, m, monkeypatch):
-    """The mixing kernel gets the summaries as a view (torch.matmul folded a grad-requiring 2-D operand with batched
-    summaries into copies of them, even under no_grad), and mix, a model's Parameter or the backward's mix^T view,
-    as one small contiguous copy in the summaries' type, zero-padded to 16 columns. The launch is recorded, not run
-    (its values: kernels_interp.py, "mixing kernel")."""
+def _aten_operand_shapes(fn) -> list:
+    """The input shapes of every copy, fill or GEMM `fn` runs (torch.profiler, CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
+    ops = {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy", "aten::mm", "aten::bmm", "aten::fill_",
+           "aten::zero_", "aten::zeros"}
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [shape for event in prof.events() if event.name in ops for shape in event.input_shapes or [[]]]
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
+def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, monkeypatch):
+    """Over CONFIG["mix"]["fold_up_to"] blocks the mixing kernel gets the summaries as a view (torch.matmul folded a
+    grad-requiring 2-D operand with batched summaries into copies of them, even under no_grad), and mix, a model's
+    Parameter or the backward's mix^T view, as one small contiguous copy in the summaries' type, zero-padded to 16
+    columns. The launch is recorded, not run (its values: kernels_interp.py, "mixing kernel")."""
+    from mhla_diffusion.kernels import mhla
+
+    launches = _record_mix_launches(monkeypatch)
+    m = 37
+    mix = torch.nn.Parameter(torch.rand(m, m))
+    mat = mix.t() if transposed else mix
+    s = torch.randn(m, 4, 8, 8, dtype=torch.bfloat16)  # (M, B*heads, D, Dv)
+    out = []
+    shapes = _aten_operand_shapes(lambda: out.append(mhla.mix_blocks(mat, s, torch.bfloat16)))
+    assert all(math.prod(shape) <= m * 48 for shape in shapes), shapes  # nothing the size of the summaries
+    [(args, kwargs)] = launches
+    padded = args[0]
+    assert padded.dtype == s.dtype and padded.shape == (m, 48) and padded.stride() == (48, 1)
+    assert args[8:11] == (48, 48, 1) and not kwargs["WITH_Z"]  # mix read up to column 48, row stride 48
+    assert torch.equal(padded[:, :m], mat.detach().to(s.dtype)) and not padded[:, m:].any()
+    assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (m, 4 * 8 * 8)
+    assert out[0].shape == s.shape and out[0].dtype == s.dtype
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
+@pytest.mark.parametrize("m", [6, 30])
+def test_short_sequences_mix_s_and_z_in_one_launch_on_mix_as_it_is(m, transposed, monkeypatch):
+    """Up to CONFIG["mix"]["fold_up_to"] blocks (DiT-XL/2 512 px and SANA 1K have 30) `mix_summaries` is one mixing
+    launch for bf16 S and fp32 z, on mix as the caller holds it (the fp32 Parameter or the backward's mix^T view,
+    its own storage and strides): no padded copy, no fill, no GEMM for z; unnormalized calls (z None) mix S alone,
+    and fp32 S (fp32 inputs) stays on cuBLAS. The launch is recorded, not run (values: kernels_interp.py)."""
     from mhla_diffusion.kernels import mhla
 
     launches = _record_mix_launches(monkeypatch)
     mix = torch.nn.Parameter(torch.rand(m, m))
     mat = mix.t() if transposed else mix
-    s = torch.randn(m, 4, 8, 8, dtype=torch.bfloat16)  # (M, B*heads, D, Dv)
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        out = mhla.mix_blocks(mat, s, torch.bfloat16)
-    copies = {"aten::clone", "aten::contiguous", "aten::copy_", "aten::_to_copy", "aten::mm", "aten::bmm"}
-    shapes = [shape for event in prof.events() if event.name in copies for shape in event.input_shapes]
-    assert all(math.prod(shape) <= m * 16 for shape in shapes), shapes  # nothing the size of the summaries
+    s, z = torch.randn(m, 4, 8, 8, dtype=torch.bfloat16), torch.rand(m, 4, 8)
+    out = []
+    assert _aten_operand_shapes(lambda: out.append(mhla.mix_summaries(mat, s, z, torch.bfloat16))) == []
     [(args, kwargs)] = launches
-    padded = args[0]
-    assert padded.dtype == s.dtype and padded.shape == (m, 16) and padded.stride() == (16, 1) and args[5] == 16
-    assert torch.equal(padded[:, :m], mat.detach().to(s.dtype)) and not padded[:, m:].any()
-    assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (m, 4 * 8 * 8)
-    assert out.shape == s.shape and out.dtype == s.dtype
+    assert args[0].data_ptr() == mix.data_ptr() and args[0].dtype == torch.float32 and args[8:11] == (m, *mat.stride())
+    assert args[1].data_ptr() == s.data_ptr() and args[3].data_ptr() == z.data_ptr() and kwargs["WITH_Z"]
+    (mixed_s, mixed_z), = out
+    assert mixed_s.shape == s.shape and mixed_s.dtype == s.dtype and mixed_z.shape == z.shape
+    assert mixed_z.dtype == torch.float32 and mixed_z.data_ptr() == args[4].data_ptr()
+    mixed_s, no_z = mhla.mix_summaries(mat, s, None, torch.bfloat16)
+    assert no_z is None and not launches[1][1]["WITH_Z"] and launches[1][0][0].data_ptr() == mix.data_ptr()
+    mhla.mix_summaries(mat, s.float(), z, torch.float32)
+    assert len(launches) == 2
+    with pytest.raises(ValueError, match="mixes z in the same launch up to 32 blocks, not 37"):
+        mhla.mix_with_kernel(torch.rand(37, 37), torch.randn(37, 4, dtype=torch.bfloat16), torch.rand(37, 2))
+
+
+def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(monkeypatch):
+    """`output_forward` and `output_backward` (the op's mixing, forward, and backward with the mix^T products) at 30
+    blocks with bf16 inputs: one mixing launch per direction with z folded in, and the token kernels get the mixed
+    z it returns. The mixing launches are recorded, the token kernels replaced by recorders of their inputs."""
+    from mhla_diffusion.blocks import block_geometry
+    from mhla_diffusion.kernels import mhla
+
+    launches = _record_mix_launches(monkeypatch)
+    seen = []
+    monkeypatch.setattr(mhla, "block_output", lambda q, s, z, *a, **kw: seen.append(z) or q)
+    monkeypatch.setattr(mhla, "block_grad", lambda x, y, s, z, *a, **kw: seen.append(z) or (x, None, x[..., 0], x[..., 0]))
+    monkeypatch.setattr(mhla, "block_summaries", lambda q, do, *a, **kw: (s, z))
+    monkeypatch.setattr(mhla, "block_gram", lambda a, b, dtype: torch.zeros(m, m))
+    grid, blocks = (1, 10, 12), (1, 5, 6)
+    m = 30
+    q = torch.randn(1, 120, 2, 8, dtype=torch.bfloat16)
+    g = mhla.Geometry(q, q, block_geometry(grid, blocks))
+    mix = torch.rand(m, m)
+    s, z = torch.randn(m, 2, 8, 8, dtype=torch.bfloat16), torch.rand(m, 2, 8)
+    kw = dict(elu=False, normalize=True, eps=1e-6)
+    mhla.output_forward(q, mix, s, z, None, g, **kw)
+    _, _, ds, dz = mhla.output_backward(q, q, mix, s, z, None, g, **kw)
+    assert [kwargs["WITH_Z"] for _, kwargs in launches] == [True, True, True]
+    assert [args[0].stride() for args, _ in launches] == [mix.stride(), mix.stride(), mix.t().stride()]
+    assert [z_in.data_ptr() for z_in in seen] == [args[4].data_ptr() for args, _ in launches[:2]]
+    assert ds.shape == s.shape and dz.data_ptr() == launches[2][0][4].data_ptr()
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
