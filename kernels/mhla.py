@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ..blocks import BlockGeometry
 from .fitting import launch_within_card
+from .sizes import cdiv, pow2
 
 # Largest tile edge for a summary accumulator, and largest D x Dv tile a program keeps.
 MAX_TILE = 128
@@ -493,10 +494,6 @@ class Geometry:
         self.slice_args = (start, self.m0)
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
-
-
 def _dot_types(dtype: torch.dtype):
     """Operand type of the tensor-core products and their fp32 precision.
 
@@ -510,9 +507,9 @@ def _dot_types(dtype: torch.dtype):
 
 def _tokens_per_program(g: Geometry, block_n: int, programs_per_token_group: int, target: int) -> int:
     """Tokens each program walks: enough programs to fill the GPU, as few as possible beyond that."""
-    tiles = triton.cdiv(g.max_len, block_n)
-    groups = max(1, min(tiles, triton.cdiv(target, max(1, programs_per_token_group))))
-    return triton.cdiv(tiles, groups) * block_n
+    tiles = cdiv(g.max_len, block_n)
+    groups = max(1, min(tiles, cdiv(target, max(1, programs_per_token_group))))
+    return cdiv(tiles, groups) * block_n
 
 
 def _rope_args(rope, g: Geometry, like: torch.Tensor):
@@ -631,8 +628,8 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     z[m, bh] = sum phi(x) * z_weight in fp32, over the call's tokens (zero for blocks its slice misses).
     x_norm: (rstd (B, N) from `token_rstd`, weight (heads*D,)), x RMSNormed across heads on the way.
     Programs that split a block add into fp32 with atomics; S is rounded once after."""
-    block_d = min(_pow2(g.D), MAX_TILE)
-    d_tiles = triton.cdiv(g.D, block_d)
+    block_d = min(pow2(g.D), MAX_TILE)
+    d_tiles = cdiv(g.D, block_d)
     state = dtype or state_dtype(x.dtype)
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
@@ -640,11 +637,11 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
                  WEIGHT_Z=z_weight is not None, WITH_Z=with_z, NORM_X=x_norm is not None, DOT=dot, PRECISION=precision)
 
     def launch(settings):
-        block_dv = min(_pow2(g.DV), settings["max_dv"])
-        dv_tiles = triton.cdiv(g.DV, block_dv)
+        block_dv = min(pow2(g.DV), settings["max_dv"])
+        dv_tiles = cdiv(g.DV, block_dv)
         programs = g.BH * g.m_count * d_tiles * dv_tiles
         tok = _tokens_per_program(g, settings["block_n"], programs, settings["programs"])
-        splits = triton.cdiv(g.max_len, tok)
+        splits = cdiv(g.max_len, tok)
         s = _summary_buffer((g.M, g.BH, g.D, g.DV), torch.float32 if splits > 1 else state, g, x.device, splits > 1)
         z = _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, splits > 1 or not with_z)
         xs, xw = x_norm if x_norm is not None else (s, s)
@@ -663,9 +660,9 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
 
 def _full_d_tiles(d: int, dv: int):
     """Kernels that keep the whole (padded) D in registers tile Dv so that D x Dv_tile stays bounded."""
-    block_d = _pow2(d)
-    block_dv = min(_pow2(dv), max(16, MAX_TILE_AREA // block_d))
-    return block_d, block_dv, triton.cdiv(dv, block_dv)
+    block_d = pow2(d)
+    block_dv = min(pow2(dv), max(16, MAX_TILE_AREA // block_d))
+    return block_d, block_dv, cdiv(dv, block_dv)
 
 
 def fuses_output_norm(d: int, dv: int) -> bool:
@@ -692,9 +689,9 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
                  OUT_NORM=out_norm is not None, DOT=dot, PRECISION=precision)
 
     def launch(settings):
-        dv_tiles = triton.cdiv(g.DV, settings["block_dv"])
+        dv_tiles = cdiv(g.DV, settings["block_dv"])
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count * dv_tiles, settings["programs"])
-        _output_kernel[(g.BH, g.m_count * dv_tiles, triton.cdiv(g.max_len, tok))](
+        _output_kernel[(g.BH, g.m_count * dv_tiles, cdiv(g.max_len, tok))](
             q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
@@ -725,12 +722,12 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
 
     def launch(settings):
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count, settings["programs"])
-        _grad_kernel[(g.BH, g.m_count, triton.cdiv(g.max_len, tok))](
+        _grad_kernel[(g.BH, g.m_count, cdiv(g.max_len, tok))](
             x, y, cos, sin, mat, vec, dx, dy, rden, c,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, BLOCK_N=settings["block_n"],
-            BLOCK_DV=settings["block_dv"], DV_TILES=triton.cdiv(g.DV, settings["block_dv"]), **flags,
+            BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]), **flags,
             **_launch(settings),
         )
 
@@ -743,8 +740,8 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     b, n, heads, d = x.shape
     out = torch.empty((b, n), device=x.device, dtype=torch.float32)
     block_n = 32
-    _rstd_kernel[(b, triton.cdiv(n, block_n))](x, out, x.stride(0), x.stride(1), x.stride(2), n, heads, eps, d,
-                                              BLOCK_N=block_n, BLOCK_D=_pow2(d), num_warps=4)
+    _rstd_kernel[(b, cdiv(n, block_n))](x, out, x.stride(0), x.stride(1), x.stride(2), n, heads, eps, d,
+                                              BLOCK_N=block_n, BLOCK_D=pow2(d), num_warps=4)
     return out
 
 
@@ -752,7 +749,7 @@ def _mix_settings(m: int) -> dict:
     """`_mix_kernel`'s settings at M <= CONFIG["mix"]["max_blocks"] blocks: CONFIG["mix"], its "wide" settings over
     "wide_over" blocks, row blocks no taller than M needs."""
     cfg = {**CONFIG["mix"], **(CONFIG["mix"]["wide"] if m > CONFIG["mix"]["wide_over"] else {})}
-    return dict(block_m=max(16, min(cfg["block_m"], _pow2(m))), block_f=cfg["block_f"], programs=cfg["programs"],
+    return dict(block_m=max(16, min(cfg["block_m"], pow2(m))), block_f=cfg["block_f"], programs=cfg["programs"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -760,11 +757,11 @@ def _mix_launch(m: int, f: int, settings: dict, fz: int = 0) -> tuple[tuple[int,
     """Grid and launch arguments of `_mix_kernel` for (M x M) @ (M x F) at `settings` (`_mix_settings`): a program
     per row block and walk, settings["programs"] programs in all (fewer where F has fewer tiles); with `fz` columns
     of z as well, as many again at most for z's tiles (s_walks: the walks over S)."""
-    row_blocks = triton.cdiv(m, settings["block_m"])
-    walks = [max(1, min(triton.cdiv(cols, settings["block_f"]), settings["programs"] // row_blocks))
+    row_blocks = cdiv(m, settings["block_m"])
+    walks = [max(1, min(cdiv(cols, settings["block_f"]), settings["programs"] // row_blocks))
              for cols in (f, fz) if cols]
     return (row_blocks, sum(walks)), dict(s_walks=walks[0], BLOCK_M=settings["block_m"], BLOCK_F=settings["block_f"],
-                                          BLOCK_K=max(16, _pow2(m)), WITH_Z=bool(fz), num_warps=settings["num_warps"],
+                                          BLOCK_K=max(16, pow2(m)), WITH_Z=bool(fz), num_warps=settings["num_warps"],
                                           num_stages=settings["num_stages"])
 
 
@@ -776,7 +773,7 @@ def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) ->
     torch's pad and .to() hand mix^T back in its own strides where there is nothing to pad or convert. Up to
     CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is instead (`mix_with_kernel`)."""
     m = mix.shape[0]
-    out = torch.zeros((m, triton.cdiv(m, 16) * 16), device=device, dtype=dtype)
+    out = torch.zeros((m, cdiv(m, 16) * 16), device=device, dtype=dtype)
     out[:, :m] = mix.detach()
     return out
 
@@ -863,12 +860,12 @@ def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
     m = a.shape[0]
     f = a[0].numel()
     cfg = CONFIG["gram"]
-    block_m = max(16, min(64, _pow2(m)))
-    tiles = triton.cdiv(m, block_m) ** 2
-    splits = max(1, min(triton.cdiv(f, cfg["block_k"]), triton.cdiv(cfg["programs"], tiles)))
-    f_per = triton.cdiv(triton.cdiv(f, splits), cfg["block_k"]) * cfg["block_k"]
+    block_m = max(16, min(64, pow2(m)))
+    tiles = cdiv(m, block_m) ** 2
+    splits = max(1, min(cdiv(f, cfg["block_k"]), cdiv(cfg["programs"], tiles)))
+    f_per = cdiv(cdiv(f, splits), cfg["block_k"]) * cfg["block_k"]
     out = torch.zeros((m, m), device=a.device, dtype=torch.float32)
-    _gram_kernel[(triton.cdiv(f, f_per), tiles)](
+    _gram_kernel[(cdiv(f, f_per), tiles)](
         a, b, out, m, f, f_per, BLOCK_M=block_m, BLOCK_K=cfg["block_k"], PRECISION=_dot_types(dtype)[1],
         num_warps=4, num_stages=cfg["num_stages"],
     )

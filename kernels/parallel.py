@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .fitting import launch_within_card
-from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _pow2, _tile, step_tiles
+from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, step_tiles
+from .sizes import cdiv, pow2
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
 # sequences that take this path, without and with gradients. H200, bf16, 2026-12-03 (kernels/NOTES.md, sessions 32
@@ -238,7 +239,7 @@ def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool):
     d, dv, m = q.shape[-1], v.shape[-1], mix.shape[0]
     dot, precision = _dot_types(q.dtype)
     return (q.shape[2], m), dict(zip(("T", "H", "W", "NBT", "NBH", "NBW"), (*grid, *blocks)), D=d, DV=dv,
-                                 BLOCK_D=max(16, _pow2(d)), BLOCK_DV=max(16, _pow2(dv)), BLOCK_B=max(16, _pow2(m)),
+                                 BLOCK_D=max(16, pow2(d)), BLOCK_DV=max(16, pow2(dv)), BLOCK_B=max(16, pow2(m)),
                                  ELU=elu, NORMALIZE=normalize, DOT=dot, PRECISION=precision)
 
 
@@ -267,7 +268,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
 
     def launch(tiles):
-        _parallel_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
+        _parallel_kernel[(batch * heads, cdiv(n, tiles["OWN"]))](
             q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
 
     launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), step_tiles("parallel"),
@@ -286,7 +287,7 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
     for keys, dx in ((False, dq), (True, dk)):
         def launch(tiles, keys=keys, dx=dx):
-            _parallel_grad_kernel[(batch * heads, triton.cdiv(n, tiles["OWN"]))](
+            _parallel_grad_kernel[(batch * heads, cdiv(n, tiles["OWN"]))](
                 q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
                 mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
 

@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 
 from ..blocks import resolve_blocks
 from . import mhla, parallel
+from .sizes import cdiv, pow2
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
@@ -163,7 +164,7 @@ def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
     f, fz = MIX_COLUMNS[m]
     _, launch = mhla._mix_launch(m, f, settings, fz if with_z else 0)
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
-    width = m if with_z else triton.cdiv(m, 16) * 16
+    width = m if with_z else cdiv(m, 16) * 16
     sizes = dict(M=m, F=f, FZ=fz, KM=width, smi=width, smk=1, ssb=f, ssf=1, szb=fz, szf=1)
     return {**sizes, **launch, **constexprs}, options, FP32_POINTERS | ({"mix_ptr"} if with_z else set())
 
@@ -198,7 +199,7 @@ def row_settings(row: tuple) -> tuple[dict, tuple]:
         return _parallel_row(constexprs)[1], mhla.step_tiles("parallel")
     d, dv = constexprs.get("D", TILE["D"]), constexprs.get("DV", TILE["DV"])
     norms = constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False)
-    block_d = min(mhla._pow2(d), mhla.MAX_TILE) if entry == "summary" else mhla._pow2(d)
+    block_d = min(pow2(d), mhla.MAX_TILE) if entry == "summary" else pow2(d)
     cfg = mhla._config(entry, _dtype(constexprs), block_d, (block_tokens or [WAN_BLOCK_TOKENS])[0],
                        constexprs["ROPE"], norms=norms)
     if entry != "summary":
@@ -222,10 +223,10 @@ def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
     dtype = constexprs.pop("DTYPE", torch.bfloat16)
     shape = {**TILE, **constexprs}
     if entry == "summary":
-        block_d, block_dv = min(mhla._pow2(shape["D"]), mhla.MAX_TILE), min(mhla._pow2(shape["DV"]), settings["max_dv"])
+        block_d, block_dv = min(pow2(shape["D"]), mhla.MAX_TILE), min(pow2(shape["DV"]), settings["max_dv"])
     else:
-        block_d, block_dv = mhla._pow2(shape["D"]), settings["block_dv"]
-    tiles = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=triton.cdiv(shape["DV"], block_dv),
+        block_d, block_dv = pow2(shape["D"]), settings["block_dv"]
+    tiles = dict(BLOCK_D=block_d, BLOCK_DV=block_dv, DV_TILES=cdiv(shape["DV"], block_dv),
                  BLOCK_N=settings["block_n"])
     dot, precision = mhla._dot_types(dtype)
     off = {k: v for k, v in OFF.items() if k in kernel.arg_names}

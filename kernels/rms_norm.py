@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .sizes import cdiv, pow2
+
 # tile: elements (rows x padded row) per program (forward) and per step of a program's walk (backward, whose
 # programs_per_sm programs per SM each sum their share of the weight's gradient), at least one row
 CONFIG = {"forward": dict(tile=8192, num_warps=8),
@@ -75,7 +77,7 @@ def _backward_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_ptr, rows, group
 
 def _launch(kernel: str, groups: int, width: int) -> dict:
     cfg = CONFIG[kernel]
-    block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(width)
+    block_g, block_s = pow2(groups), pow2(width)
     return dict(ROWS=max(1, cfg["tile"] // (block_g * block_s)), BLOCK_G=block_g, BLOCK_S=block_s,
                 num_warps=cfg["num_warps"])
 
@@ -86,7 +88,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: fl
     y = torch.empty_like(x)
     rstd = torch.empty((rows, groups), device=x.device, dtype=torch.float32)
     launch = _launch("forward", groups, features // groups)
-    _forward_kernel[(triton.cdiv(rows, launch["ROWS"]),)](x, weight, y, rstd, rows, groups, features // groups, eps,
+    _forward_kernel[(cdiv(rows, launch["ROWS"]),)](x, weight, y, rstd, rows, groups, features // groups, eps,
                                                           **launch)
     return y, rstd
 
@@ -96,7 +98,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     rows, features = x.shape
     launch = _launch("backward", groups, features // groups)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    programs = max(1, min(triton.cdiv(rows, launch["ROWS"]), CONFIG["backward"]["programs_per_sm"] * sms))
+    programs = max(1, min(cdiv(rows, launch["ROWS"]), CONFIG["backward"]["programs_per_sm"] * sms))
     dx = torch.empty_like(x)
     dw = torch.empty((programs, features), device=x.device, dtype=torch.float32)
     _backward_kernel[(programs,)](x, weight, dy, rstd, dx, dw, rows, groups, features // groups, **launch)

@@ -591,6 +591,55 @@ def test_mixing_takes_the_kernel_where_it_measured_faster_and_cublas_elsewhere(t
         (torch.float32, m, True) for _ in (0, 1) for m in (16, 180, 252)]
 
 
+def test_host_tile_arithmetic_is_plain_python_and_matches_tritons():
+    """`kernels.sizes` gives what Triton's cdiv and next_power_of_2 give, for every size a launcher meets."""
+    import triton
+
+    from mhla_diffusion.kernels.sizes import cdiv, pow2
+
+    assert all(pow2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
+    assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 600) for b in (1, 2, 3, 16, 64, 100))
+
+
+def test_an_op_call_calls_no_triton_helper_on_the_host(monkeypatch):
+    """Through `mhla_attention(backend="triton")`, forward and backward on the linear path (DiT-XL/2 512 px's 1,024
+    tokens, 30 blocks) and the no-grad quadratic form: the launchers' grids and tiles come from `kernels.sizes`, not
+    from Triton's constexpr functions (cdiv, next_power_of_2 since Triton 3.4), which cost ~2 us a call from host code:
+    a no-grad call made about twenty (its host time on this CPU with the launches left out: 178 -> 128 us). The
+    kernels' launches are recorded, not run."""
+    import triton.runtime.jit as jit
+
+    from mhla_diffusion.kernels import mhla, parallel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backend takes CPU tensors
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(self.name)
+
+    for owner, names in ((mhla, ("_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_gram_kernel",
+                                 "_rstd_kernel")), (parallel, ("_parallel_kernel", "_parallel_grad_kernel"))):
+        for name in names:
+            monkeypatch.setattr(owner, name, Recorder(name))
+    helper_calls = []
+    call = jit.ConstexprFunction.__call__
+    monkeypatch.setattr(jit.ConstexprFunction, "__call__", lambda self, *a, **kw: helper_calls.append(self) or call(
+        self, *a, **kw))
+    mix = torch.nn.Parameter(locality_mix((1, 5, 6)).float())
+    for side, grad in ((32, True), (32, False), (16, False)):
+        q, k, v = (torch.randn(1, side * side, 2, 72, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
+        with torch.set_grad_enabled(grad):
+            out = mhla_attention(q, k, v, mix, (1, side, side), (1, 5, 6), backend="triton")
+        if grad:
+            out.float().sum().backward()
+    assert {"_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_parallel_kernel"} <= set(launched)
+    assert helper_calls == []
+
+
 def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
     """Through `mhla_attention(backend="triton")`: bf16 calls over a whole grid of up to `parallel.CONFIG["max_tokens"]`
     tokens without gradients (576; `"max_tokens_with_grad"`, 256, with them) take the quadratic op; with
