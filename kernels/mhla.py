@@ -430,14 +430,15 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 
 @triton.jit
-def _mix_walk(a, src_ptr, dst_ptr, i, mask_i, k, M, F, sb, sf, first, step, BLOCK_F: tl.constexpr):
+def _mix_walk(a, src_ptr, dst_ptr, i, mask_i, k, M, F, sb, sf, first, step, BLOCK_F: tl.constexpr,
+              PRECISION: tl.constexpr):
     """dst[i, f] = sum_b a[i, b] src[b, f] for the BLOCK_F column tiles first, first + step, ...; int64 row offsets
     (M * F passes 2^31 for long videos)."""
     dst_rows = dst_ptr + i.to(tl.int64)[:, None] * F
     for t in range(first, tl.cdiv(F, BLOCK_F), step):
         f = t * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = f < F
-        acc = tl.dot(a, _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f))
+        acc = tl.dot(a, _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f), input_precision=PRECISION)
         tl.store(dst_rows + f[None, :], acc.to(dst_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :])
 
 
@@ -446,7 +447,9 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, M, F, FZ, KM, smi, smk
                 BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op,
     where `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32), and
-    with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in TF32 with mix as given.
+    with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in full fp32 with mix as given (Triton's
+    TF32 products truncate their operands where cuBLAS' round them: a bias in the normalizer; z's products are
+    1 / Dv of S's).
     mix: read through its strides (smi, smk) up to column KM, converted to s's type in the kernel: either the
     padded operand `_mix_operand` makes (KM its width, a multiple of 16: vectorized row loads) or, up to
     CONFIG["mix"]["fold_up_to"] blocks, the fp32 matrix (or the backward's mix^T view) as the caller holds it.
@@ -465,9 +468,10 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, M, F, FZ, KM, smi, smk
         z_walk = p >= s_walks
     if z_walk:
         _mix_walk(a.to(tl.float32), z_ptr, zout_ptr, i, mask_i, k, M, FZ, szb, szf, p - s_walks,
-                  tl.num_programs(1) - s_walks, BLOCK_F)
+                  tl.num_programs(1) - s_walks, BLOCK_F, "ieee")
     else:
-        _mix_walk(a.to(s_ptr.dtype.element_ty), s_ptr, out_ptr, i, mask_i, k, M, F, ssb, ssf, p, s_walks, BLOCK_F)
+        _mix_walk(a.to(s_ptr.dtype.element_ty), s_ptr, out_ptr, i, mask_i, k, M, F, ssb, ssf, p, s_walks, BLOCK_F,
+                  "tf32")
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -789,7 +793,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
     if z is not None and not direct:
         raise ValueError(f"the mixing kernel mixes z in the same launch up to {CONFIG['mix']['fold_up_to']} blocks, "
                          f"not {m}: mix z on its own (`mix_blocks`)")
-    a = mix.detach() if direct else _mix_operand(mix, s.dtype, s.device)
+    a = mix.detach().to(s.device) if direct else _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
     z_flat = flat if z is None else z.flatten(1)
     z_out = out if z is None else torch.empty(z_flat.shape, device=z.device, dtype=z.dtype)
@@ -848,8 +852,9 @@ def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype):
-    """(mix @ s, mix @ z) as `mix_blocks` makes each, in one launch where the kernel folds z in (bf16 s at up to
-    CONFIG["mix"]["fold_up_to"] blocks); z None (unnormalized: nothing to mix) gives None."""
+    """(mix @ s, mix @ z) as `mix_blocks` makes each, in one launch where the kernel folds z in (bf16 s, which only
+    bf16 inputs have, at up to CONFIG["mix"]["fold_up_to"] blocks; z then in full fp32, not TF32); z None
+    (unnormalized: nothing to mix) gives None."""
     if z is not None and mixes_with_kernel(s) and s.shape[0] <= CONFIG["mix"]["fold_up_to"]:
         return mix_with_kernel(mix, s, z)
     return mix_blocks(mix, s, dtype), None if z is None else mix_blocks(mix, z, dtype)

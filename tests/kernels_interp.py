@@ -271,8 +271,8 @@ def mix_case():
     computes unreliably) at 1 to 256 blocks (`CONFIG["mix"]["max_blocks"]`) with each program on one S tile or one
     program per row block walking them all, with mix and the backward's strided mix^T, on fp32 S (F a multiple of the
     column tile) and z (F no multiple of it), against the fp64 product: up to `CONFIG["mix"]["fold_up_to"]` blocks
-    on mix unpadded with z mixed in the same launch, over that on the padded copy, S and z in a launch each. The
-    interpreter multiplies them in IEEE fp32."""
+    on mix unpadded with z mixed in the same launch (and with fp16 S, z still against the fp32 mix), over that on the
+    padded copy, S and z in a launch each. The interpreter multiplies them in IEEE fp32."""
     gen = torch.Generator().manual_seed(7)
     errors = {}
     for m in (1, 2, 7, 16, 32, 33, 60, 130, 252, 256):  # 16, 32, 256: multiples of 16, where mix needs no padding
@@ -287,6 +287,9 @@ def mix_case():
                     for name, x, got in (("S", s, out[0]), ("z" + " folded" * folded, z, out[1])):
                         ref = torch.einsum("ij,j...->i...", mat.double(), x.double())
                         errors[f"M={m} {tiling} {mat_name} {name}"] = rel(got, ref)
+        if folded:  # fp16 S: S's products take mix rounded to fp16, z's the fp32 mix (rounded, z is off by ~4e-4)
+            z_out = mhla.mix_with_kernel(mix, s.half(), z)[1]
+            errors[f"M={m} fp16 S, z folded"] = rel(z_out, torch.einsum("ij,j...->i...", mix.double(), z.double()))
     return errors
 
 

@@ -277,8 +277,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
     row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
-    row = rows["mix bf16 z folded"]  # S's and z's walks both pipelined (async copies), nothing spilled
-    assert int(row["stack B"]) == 0 and int(row["LDGSTS"]) > 0 and int(row["regs"]) <= 64, row
+    row = rows["mix bf16 z folded"]  # S's and z's walks both pipelined (async copies), nothing spilled, 4+ programs/SM
+    assert int(row["stack B"]) == 0 and int(row["LDGSTS"]) > 0 and int(row["regs"]) <= 128, row
     # every kernel's CONFIG settings within the H200's 232,448 bytes of shared memory per program, as tuned there
     assert all(int(r["smem B"]) <= 232448 for r in rows.values()), {n: r["smem B"] for n, r in rows.items()}
     assert len(list(tmp_path.glob("*.sass"))) == len(resources.KERNELS)
@@ -483,8 +483,8 @@ def _aten_operand_shapes(fn) -> list:
 def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, monkeypatch):
     """Over CONFIG["mix"]["fold_up_to"] blocks the mixing kernel gets the summaries as a view (torch.matmul folded a
     grad-requiring 2-D operand with batched summaries into copies of them, even under no_grad), and mix, a model's
-    Parameter or the backward's mix^T view, as one small contiguous copy in the summaries' type, zero-padded to 16
-    columns. The launch is recorded, not run (its values: kernels_interp.py, "mixing kernel")."""
+    Parameter or the backward's mix^T view, as one small contiguous copy in the summaries' type, zero-padded to a
+    multiple of 16 columns. The launch is recorded, not run (its values: kernels_interp.py, "mixing kernel")."""
     from mhla_diffusion.kernels import mhla
 
     launches = _record_mix_launches(monkeypatch)
