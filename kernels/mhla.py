@@ -745,7 +745,7 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty((b, n), device=x.device, dtype=torch.float32)
     block_n = 32
     _rstd_kernel[(b, cdiv(n, block_n))](x, out, x.stride(0), x.stride(1), x.stride(2), n, heads, eps, d,
-                                              BLOCK_N=block_n, BLOCK_D=pow2(d), num_warps=4)
+                                        BLOCK_N=block_n, BLOCK_D=pow2(d), num_warps=4)
     return out
 
 
@@ -782,6 +782,12 @@ def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) ->
     return out
 
 
+def _reads_mix_as_is(m: int) -> bool:
+    """Whether `_mix_kernel` at m blocks reads mix as the caller holds it (and can mix z in the same launch) rather
+    than the padded copy `_mix_operand` makes."""
+    return m <= CONFIG["mix"]["fold_up_to"]
+
+
 def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None):
     """(sum_b mix[i, b] s[b] in s's type, the same of fp32 z or None) by one `_mix_kernel` launch (fp32 accumulate).
     Up to CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is, and mixes z in the same launch: at short
@@ -789,7 +795,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
     6 of its 50 us); z is only taken there."""
     flat = s.flatten(1)
     m = s.shape[0]
-    direct = m <= CONFIG["mix"]["fold_up_to"]
+    direct = _reads_mix_as_is(m)
     if z is not None and not direct:
         raise ValueError(f"the mixing kernel mixes z in the same launch up to {CONFIG['mix']['fold_up_to']} blocks, "
                          f"not {m}: mix z on its own (`mix_blocks`)")
@@ -855,7 +861,7 @@ def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dt
     """(mix @ s, mix @ z) as `mix_blocks` makes each, in one launch where the kernel folds z in (bf16 s, which only
     bf16 inputs have, at up to CONFIG["mix"]["fold_up_to"] blocks; z then in full fp32, not TF32); z None
     (unnormalized: nothing to mix) gives None."""
-    if z is not None and mixes_with_kernel(s) and s.shape[0] <= CONFIG["mix"]["fold_up_to"]:
+    if z is not None and mixes_with_kernel(s) and _reads_mix_as_is(s.shape[0]):
         return mix_with_kernel(mix, s, z)
     return mix_blocks(mix, s, dtype), None if z is None else mix_blocks(mix, z, dtype)
 

@@ -5,8 +5,9 @@ dx backward (with per-program partial sums of the weight's gradient).
 Why: a Wan layer's q/k norms across heads (one group of heads * D) and MHLA's per-head output norm (heads groups of
 Dv) run around the op in training, where the kernels cannot apply them on the way (the fused norms are forward only).
 As PyTorch passes under autocast (bf16 x, fp32 weight: torch's fused rms_norm takes matching types only) a q/k norm
-at Wan2.1-1.3B 480p took 0.675 ms forward and 2.21 ms forward+backward on an H200; these kernels 0.078 / 0.770. The
-PyTorch formula is `ops.norms.Norms`' own, which the tests hold these kernels to.
+at Wan2.1-1.3B 480p took 0.675 ms forward and 2.21 ms forward+backward on an H200; these kernels 0.078 / 0.770, both
+timed eagerly (the 0.770 mostly host time: the training step's profile puts the backward kernel under 0.18 ms a
+call). The PyTorch formula is `ops.norms.Norms`' own, which the tests hold these kernels to.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: fl
     rstd = torch.empty((rows, groups), device=x.device, dtype=torch.float32)
     launch = _launch("forward", groups, features // groups)
     _forward_kernel[(cdiv(rows, launch["ROWS"]),)](x, weight, y, rstd, rows, groups, features // groups, eps,
-                                                          **launch)
+                                                   **launch)
     return y, rstd
 
 

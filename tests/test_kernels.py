@@ -543,7 +543,8 @@ def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(m
     launches = _record_mix_launches(monkeypatch)
     seen = []
     monkeypatch.setattr(mhla, "block_output", lambda q, s, z, *a, **kw: seen.append(z) or q)
-    monkeypatch.setattr(mhla, "block_grad", lambda x, y, s, z, *a, **kw: seen.append(z) or (x, None, x[..., 0], x[..., 0]))
+    monkeypatch.setattr(mhla, "block_grad",
+                        lambda x, y, s, z, *a, **kw: seen.append(z) or (x, None, x[..., 0], x[..., 0]))
     monkeypatch.setattr(mhla, "block_summaries", lambda q, do, *a, **kw: (s, z))
     monkeypatch.setattr(mhla, "block_gram", lambda a, b, dtype: torch.zeros(m, m))
     grid, blocks = (1, 10, 12), (1, 5, 6)

@@ -39,7 +39,8 @@ class Norms:
     def tensors(self) -> tuple:
         return tuple(t for t in (self.q_weight, self.k_weight, self.out_gain) if t is not None)
 
-    def inputs(self, q: torch.Tensor, k: torch.Tensor, fused: Optional[Callable] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(self, q: torch.Tensor, k: torch.Tensor,
+               fused: Optional[Callable] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k (B, N, heads, D) normalized across heads, as `torch.nn.RMSNorm(heads * D)` does. fused: a backend's
         `(x, weight, groups, eps) -> y` (`dispatch.Backend.rms_norm`), else PyTorch's passes."""
         if self.q_weight is None:
