@@ -6,7 +6,8 @@ a slice [start, start + N) of the raster order only (a context-parallel rank's, 
 then walk each block's tokens inside the slice, and summaries of the blocks it misses are zero.
 
 - `_summary_kernel`: S_b = sum_j rope(phi(x_j))^T (y_j * ys_j), z_b = sum_j phi(x_j) * zw_j.
-  Forward: x = k, y = v. Backward: x = q, y = dO, ys = 1/den, zw = c gives dS~, dz~.
+  Forward: x = k, y = v. Backward: x = q, y = dO, ys = 1/den, zw = c gives dS~, dz~. Where Dv pads its tile
+  (DiT's 72 in 128) and z is a plain sum of unrotated features, z comes out of the product itself (Z_IN_DOT).
 - `_output_kernel`: o_n = rope(phi(q_n)) S~_b / (phi(q_n) . z~_b + eps).
 - `_rstd_kernel`: 1 / RMS of each token across all heads, for an RMSNorm across heads (Wan's q/k norms) that the
   summary and output kernels apply as they load k and q (`_features`, NORM); the output kernel can also RMSNorm
@@ -141,15 +142,15 @@ def _state_row(m, bh):
 
 
 @triton.jit
-def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols):
-    """A masked (rows x cols) tile in the pointer's own type (zeros outside)."""
+def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols, other=0.0):
+    """A masked (rows x cols) tile in the pointer's own type (`other` outside)."""
     return tl.load(ptr + rows[:, None] * s_rows + cols[None, :] * s_cols, mask=mask_rows[:, None] & mask_cols[None, :],
-                   other=0.0)
+                   other=other)
 
 
 @triton.jit
-def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1):
-    return _tile(ptr, n, sn, mask_n, d, sd, mask_d).to(tl.float32)
+def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1, other=0.0):
+    return _tile(ptr, n, sn, mask_n, d, sd, mask_d, other).to(tl.float32)
 
 
 @triton.jit
@@ -244,7 +245,8 @@ def _summary_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
-    WITH_Z: tl.constexpr, ATOMIC: tl.constexpr, NORM_X: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WITH_Z: tl.constexpr, Z_IN_DOT: tl.constexpr, ATOMIC: tl.constexpr, NORM_X: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dt = (pid_t // DV_TILES) % D_TILES
@@ -262,18 +264,20 @@ def _summary_kernel(
     mask_d, mask_e = d < D, e < DV
     xw = _norm_weight(xw_ptr + h * D, d, mask_d, NORM_X)
     acc = tl.zeros((BLOCK_D, BLOCK_DV), tl.float32)
-    zacc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)  # z per token row, summed once at the end
+    if not Z_IN_DOT:
+        zacc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)  # z per token row, summed once at the end
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d, BLOCK_N,
                            BLOCK_D, ELU, ROPE, NORM_X)
-        y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
+        # with Z_IN_DOT, ones past Dv (and in rows past the block, where rx is zero): the product's column DV is z
+        y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e, 1, 1.0 if Z_IN_DOT else 0.0)
         if SCALE_Y:
             y = y * tl.load(ys_ptr + bh * N + n, mask=mask_n, other=0.0)[:, None]
         acc += tl.dot(tl.trans(rx.to(DOT)), y.to(DOT), input_precision=PRECISION)
-        if WITH_Z:  # elementwise in fx's own layout: no fp32 product, no layout change, no reduction per tile
+        if WITH_Z and not Z_IN_DOT:  # elementwise in fx's layout: no fp32 product or layout change, no per-tile sum
             if WEIGHT_Z:
                 zacc += fx * tl.load(zw_ptr + bh * N + n, mask=mask_n, other=0.0)[:, None]
             else:
@@ -283,15 +287,18 @@ def _summary_kernel(
     written = (r0 < r1) | (pid_s == 0)  # a block's first program also stores the zeros of a block the slice misses
     s_mask = mask_d[:, None] & mask_e[None, :] & written
     z_mask = mask_d & written & (vt == 0)
-    zacc = tl.sum(zacc, axis=0)
+    if Z_IN_DOT:
+        zsum = tl.sum(tl.where(e[None, :] == DV, acc, 0.0), axis=1)
+    else:
+        zsum = tl.sum(zacc, axis=0)
     if ATOMIC:
         tl.atomic_add(s_ptr + s_off, acc, mask=s_mask)
         if WITH_Z:
-            tl.atomic_add(z_ptr + base * D + d, zacc, mask=z_mask)
+            tl.atomic_add(z_ptr + base * D + d, zsum, mask=z_mask)
     else:
         tl.store(s_ptr + s_off, acc.to(s_ptr.dtype.element_ty), mask=s_mask)
         if WITH_Z:
-            tl.store(z_ptr + base * D + d, zacc, mask=z_mask)
+            tl.store(z_ptr + base * D + d, zsum, mask=z_mask)
 
 
 @triton.jit
@@ -631,7 +638,12 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     """(S, z), block-major: S[m, bh] = sum rope(phi(x))^T (y * y_scale) in `dtype` (default `state_dtype`), and
     z[m, bh] = sum phi(x) * z_weight in fp32, over the call's tokens (zero for blocks its slice misses).
     x_norm: (rstd (B, N) from `token_rstd`, weight (heads*D,)), x RMSNormed across heads on the way.
-    Programs that split a block add into fp32 with atomics; S is rounded once after."""
+    Programs that split a block add into fp32 with atomics; S is rounded once after.
+    Where Dv pads its tile and z is a plain sum of unrotated features (no RoPE, y_scale or z_weight: the forward's),
+    y is loaded with ones past Dv and z is the product's column Dv: no per-token fp32 z tile beside the accumulator
+    (sm_90, DiT-XL/2's 72-wide heads at their short-block settings: 165 -> 127 registers, two programs per SM instead
+    of one; `resources.py`; not yet timed). z then sums phi(x) as the product's operands hold it (bf16 for bf16
+    inputs), as S does."""
     block_d = min(pow2(g.D), MAX_TILE)
     d_tiles = cdiv(g.D, block_d)
     state = dtype or state_dtype(x.dtype)
@@ -643,6 +655,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     def launch(settings):
         block_dv = min(pow2(g.DV), settings["max_dv"])
         dv_tiles = cdiv(g.DV, block_dv)
+        z_in_dot = with_z and rope is None and y_scale is None and z_weight is None and g.DV < block_dv
         programs = g.BH * g.m_count * d_tiles * dv_tiles
         tok = _tokens_per_program(g, settings["block_n"], programs, settings["programs"])
         splits = cdiv(g.max_len, tok)
@@ -653,7 +666,8 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
             x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw,
             s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
-            BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles, ATOMIC=splits > 1, **flags,
+            BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles, Z_IN_DOT=z_in_dot, ATOMIC=splits > 1,
+            **flags,
             **_launch(settings),
         )
         return s.to(state), z

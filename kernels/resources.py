@@ -46,8 +46,9 @@ FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "zout_ptr", "vec_ptr", "rden_ptr",
 POINTER_TYPES = {torch.bfloat16: ("*bf16", FP32_POINTERS),
                  torch.float16: ("*fp16", FP32_POINTERS | {"s_ptr", "mat_ptr", "cos_ptr", "sin_ptr"}),
                  torch.float32: ("*fp32", FP32_POINTERS)}
-# Flags a row leaves off: the RMSNorms applied on the way (`ops.norms`) are off unless a row turns them on.
-OFF = dict(NORM_X=False, NORM_Q=False, OUT_NORM=False)
+# Flags a row leaves off unless it turns them on: the RMSNorms applied on the way (`ops.norms`), and z out of the
+# summary product's padding column (`mhla.block_summaries`: Dv short of its tile, no RoPE, unweighted z).
+OFF = dict(NORM_X=False, NORM_Q=False, OUT_NORM=False, Z_IN_DOT=False)
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
 DIVISIBLE = re.compile(r"^s[a-z]*[bnh]$")
 INSTRUCTIONS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
@@ -84,9 +85,9 @@ KERNELS = {
     "grad dk dv rope fp16": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=True, STATS=False, USE_VEC=False, WITH_DY=True, DTYPE=torch.float16)),
     # DiT and PixArt heads (16 x 72): a head dim that is no multiple of 16, in the same 128-wide tiles, short blocks
-    "summary fwd d72": (mhla._summary_kernel, "summary", dict(
-        D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, ATOMIC=False,
-        D=72, DV=72), DIT_BLOCK_TOKENS),
+    "summary fwd d72": (mhla._summary_kernel, "summary", dict(  # z out of the product's padding column
+        D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, Z_IN_DOT=True,
+        ATOMIC=False, D=72, DV=72), DIT_BLOCK_TOKENS),
     "output d72": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True, D=72, DV=72),
                    DIT_BLOCK_TOKENS),
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(

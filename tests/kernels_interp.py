@@ -239,6 +239,11 @@ def stage_case(launch):
     s, z = mhla.block_summaries(x, y, rope, g, elu=True, with_z=True, y_scale=scale, z_weight=weight)
     s_ref, z_ref = naive.reference_summaries(x, y, rope, g, elu=True, y_scale=scale, z_weight=weight)
     errors["summary S"], errors["summary z"] = rel(s, s_ref), rel(z, z_ref)
+    # the forward's summaries (no RoPE, y unscaled, z unweighted) of Dv = 40 in a 64-wide tile: z out of the product's
+    # padding column (Z_IN_DOT)
+    s, z = mhla.block_summaries(x, y, None, g, elu=True, with_z=True)
+    s_ref, z_ref = naive.reference_summaries(x, y, None, g, elu=True)
+    errors["summary S, z in the product"], errors["summary z in the product"] = rel(s, s_ref), rel(z, z_ref)
 
     o = mhla.block_output(x, mat, vec, rope, g, elu=True, normalize=True, eps=1e-6, out_dtype=torch.float32)
     errors["output"] = rel(o, naive.reference_output(x, mat, vec, rope, g, elu=True, normalize=True, eps=1e-6))

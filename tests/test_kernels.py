@@ -254,7 +254,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they were scalar 2-byte
     loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's 252 blocks
     (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared memory; at
-    DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline."""
+    DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline. DiT's forward summary
+    kernel, z out of its product, fits two programs per SM."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -274,6 +275,9 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(rows["grad dk dv rope"]["stack B"]) == 0 and int(rows["grad dk dv rope"]["LDL"]) == 0
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
+    # DiT's forward summaries, z out of the product's padding column: two programs per SM (165 registers, one, with
+    # the per-token z tile), nothing spilled
+    assert int(rows["summary fwd d72"]["regs"]) <= 128 and int(rows["summary fwd d72"]["stack B"]) == 0
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
     row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
@@ -639,6 +643,44 @@ def test_an_op_call_calls_no_triton_helper_on_the_host(monkeypatch):
             out.float().sum().backward()
     assert {"_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_parallel_kernel"} <= set(launched)
     assert helper_calls == []
+
+
+@pytest.mark.parametrize(("dims", "rope", "normalize", "forward", "backward"), [
+    ((72, 72), False, True, True, False),  # DiT's heads: Dv = 72 in a 128-wide tile; the backward's z is weighted
+    ((24, 40), False, True, True, False),
+    ((64, 64), False, True, False, False),  # no padding column
+    ((72, 72), True, True, False, False),  # z sums unrotated features, the product rotated ones
+    ((72, 72), False, False, False, False),  # unnormalized: no z
+], ids=["72", "24x40", "64", "72 rope", "72 unnormalized"])
+def test_the_forward_summaries_take_z_from_the_products_padding_column(dims, rope, normalize, forward, backward,
+                                                                       monkeypatch):
+    """Through `mhla_attention(backend="triton")`, forward and backward: the summary launch takes z out of its product
+    (Z_IN_DOT: y loaded with ones past Dv) exactly where that is z, a forward's unweighted sum of unrotated features
+    with a padding column to hold it; elsewhere the per-token z tile. The launches are recorded, not run (values:
+    kernels_interp.py, "stages" and the D=136 / Dv=72 op case)."""
+    from mhla_diffusion.kernels import mhla
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    summaries = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: summaries.append(kwargs) if self.name == "_summary_kernel" else None
+
+    for name in ("_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_gram_kernel"):
+        monkeypatch.setattr(mhla, name, Recorder(name))
+    d, dv = dims
+    grid, blocks = (1, 6, 8), (1, 2, 2)
+    q, k = (torch.randn(1, 48, 2, d, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 48, 2, dv, requires_grad=True)
+    tables = (torch.ones(1, 48, 1, d), torch.zeros(1, 48, 1, d)) if rope else None
+    out = mhla_attention(q, k, v, locality_mix(blocks).float(), grid, blocks, rope=tables, normalize=normalize,
+                         backend="triton")
+    out.sum().backward()
+    assert [kwargs["Z_IN_DOT"] for kwargs in summaries] == [forward, backward]
 
 
 def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
