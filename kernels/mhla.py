@@ -642,8 +642,9 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     Where Dv pads its tile and z is a plain sum of unrotated features (no RoPE, y_scale or z_weight: the forward's),
     y is loaded with ones past Dv and z is the product's column Dv: no per-token fp32 z tile beside the accumulator
     (sm_90, DiT-XL/2's 72-wide heads at their short-block settings: 165 -> 127 registers, two programs per SM instead
-    of one; `resources.py`; not yet timed). z then sums phi(x) as the product's operands hold it (bf16 for bf16
-    inputs), as S does."""
+    of one; `resources.py`; not yet timed). z then sums phi(x) as the product's operands hold it, as S does: rounded
+    to bf16 for bf16 inputs, truncated to TF32 for fp16 inputs (exact for relu of either; with elu, fp16's z gets S's
+    truncation bias, ~-2e-4, which partly cancels in o = num / den)."""
     block_d = min(pow2(g.D), MAX_TILE)
     d_tiles = cdiv(g.D, block_d)
     state = dtype or state_dtype(x.dtype)
