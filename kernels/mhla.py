@@ -440,12 +440,15 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 def _mix_walk(a, src_ptr, dst_ptr, i, mask_i, k, M, F, sb, sf, first, step, BLOCK_F: tl.constexpr,
               PRECISION: tl.constexpr):
     """dst[i, f] = sum_b a[i, b] src[b, f] for the BLOCK_F column tiles first, first + step, ...; int64 row offsets
-    (M * F passes 2^31 for long videos)."""
+    (M * F passes 2^31 for long videos). src's tiles are taken in a's type: a no-op for the walks `_mix_kernel` runs,
+    but Triton 3.6 also compiles its z walk without WITH_Z (a Python False as an if's condition is no constexpr
+    there), on S's bf16 buffer standing in for z (H200, session 38: every launch without z failed to compile)."""
     dst_rows = dst_ptr + i.to(tl.int64)[:, None] * F
     for t in range(first, tl.cdiv(F, BLOCK_F), step):
         f = t * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = f < F
-        acc = tl.dot(a, _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f), input_precision=PRECISION)
+        tile = _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f).to(a.dtype)
+        acc = tl.dot(a, tile, input_precision=PRECISION)
         tl.store(dst_rows + f[None, :], acc.to(dst_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :])
 
 

@@ -159,7 +159,8 @@ def usage(compiled) -> dict:
 def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
     """Arguments, launch options and fp32 pointers of a mixing row at `settings`: `mhla._mix_launch` at the row's
     M, mix as the launcher passes it (`mhla._mix_operand`'s zero-padded bf16 copy; with WITH_Z, the fp32 matrix
-    unpadded) and contiguous S and z, specialized as the JIT specializes them."""
+    unpadded) and contiguous S and z, specialized as the JIT specializes them; without WITH_Z, z's pointers are S's
+    bf16 buffers, as `mhla.mix_with_kernel` passes them (Triton 3.6 compiles the z walk even then)."""
     constexprs = dict(constexprs)
     m, with_z = constexprs.pop("M"), constexprs.get("WITH_Z", False)
     f, fz = MIX_COLUMNS[m]
@@ -167,7 +168,8 @@ def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
     width = m if with_z else cdiv(m, 16) * 16
     sizes = dict(M=m, F=f, FZ=fz, KM=width, smi=width, smk=1, ssb=f, ssf=1, szb=fz, szf=1)
-    return {**sizes, **launch, **constexprs}, options, FP32_POINTERS | ({"mix_ptr"} if with_z else set())
+    fp32 = FP32_POINTERS | {"mix_ptr"} if with_z else FP32_POINTERS - {"z_ptr", "zout_ptr"}
+    return {**sizes, **launch, **constexprs}, options, fp32
 
 
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:

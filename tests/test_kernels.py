@@ -255,7 +255,10 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's 252 blocks
     (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared memory; at
     DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline. DiT's forward summary
-    kernel, z out of its product, fits two programs per SM."""
+    kernel, z out of its product, fits two programs per SM. Each row is typed as its launcher passes it: the 252-block
+    mixing row (no z) with S's bf16 buffers standing in for z's, which Triton 3.6 compiled into a z walk of mismatched
+    types and refused (every mixing launch without z, on the H200 in session 38; reproduced on CPU with Triton 3.6's
+    compiler, which this environment does not install)."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
