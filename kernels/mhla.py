@@ -566,6 +566,12 @@ ROPE_CONFIG = {"summary": {}, "output": {"num_warps": 4}, "grad": {"num_warps": 
 SHORT_BLOCK = 128
 SHORT_CONFIG = {"summary": {"block_n": 64, "num_stages": 2}, "output": {"block_n": 16, "num_warps": 4},
                 "grad": {"block_n": 32}}
+# Over SHORT_CONFIG for blocks of at most SHORTEST_BLOCK tokens (DiT-XL/2 and PixArt at 512 px, SANA 1K: 42): the
+# summaries on 16-token tiles and 4 warps. H200, 2026-12-05, session 38 (`tune.py --sweep short`, fwd / f+b ms, against
+# SHORT_CONFIG's): DiT-XL/2 512 px 0.0426 / 0.1730 -> 0.0372 / 0.1602, SANA-1.6B 1K 0.0371 / 0.1323 -> 0.0280 / 0.1125;
+# at 1024 px (64 tokens a block) it lost, 0.1094 / 0.3665 -> 0.1738 / 0.5282.
+SHORTEST_BLOCK = 48
+SHORTEST_CONFIG = {"summary": {"block_n": 16, "num_warps": 4, "num_stages": 2}}
 # Overrides for the output kernel when it applies RMSNorms on the way (`ops.norms`: q across heads, the output per
 # head). H200, 2026-12-02, Wan's model blocks, RoPE, bf16, output kernel alone (ms, 8 -> 4 warps): 1.3B 480p
 # 0.190 -> 0.143 (without norms 0.101 / 0.096), 14B 720p 1.248 -> 0.849 (0.665 / 0.619); kernels/NOTES.md.
@@ -586,8 +592,8 @@ def step_tiles(kernel: str, out_norm: bool = False) -> tuple[str, ...]:
 def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False,
             norms: bool = False) -> dict:
     """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; for such calls without RoPE whose blocks hold at most
-    SHORT_BLOCK tokens, SHORT_CONFIG's overrides; with `rope`, ROPE_CONFIG's; such calls applying RMSNorms on the
-    way, NORMS_CONFIG's);
+    SHORT_BLOCK tokens, SHORT_CONFIG's overrides, and at most SHORTEST_BLOCK, SHORTEST_CONFIG's over those; with
+    `rope`, ROPE_CONFIG's; such calls applying RMSNorms on the way, NORMS_CONFIG's);
     for fp32 operands or D tiles over 128, a small unpipelined tile on 8 warps without a register cap, so
     shared memory and registers suffice.
 
@@ -597,7 +603,9 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
     """
     tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
     short = tuned and not rope and max_len <= SHORT_BLOCK  # where `tune.py --sweep short` measured SHORT_CONFIG
+    shortest = short and max_len <= SHORTEST_BLOCK
     cfg = {**CONFIG[kernel], **(SHORT_CONFIG.get(kernel, {}) if short else {}),
+           **(SHORTEST_CONFIG.get(kernel, {}) if shortest else {}),
            **(ROPE_CONFIG.get(kernel, {}) if rope else {}), **(NORMS_CONFIG.get(kernel, {}) if norms and tuned else {})}
     if not tuned:
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)

@@ -3,7 +3,7 @@
     python -c "from mhla_diffusion.kernels.resources import main; main()" [--sass DIR]
 
 For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`, `mhla.ROPE_CONFIG` for RoPE rows,
-`mhla.SHORT_CONFIG` for the DiT rows' 42-token blocks), specialized as the JIT specializes a Wan2.1 call (pointers
+`mhla.SHORT_CONFIG` and `mhla.SHORTEST_CONFIG` for the DiT rows' 42- and 64-token blocks), specialized as the JIT specializes a Wan2.1 call (pointers
 and strides, RoPE tables' included, divisible by 16; head dims are constexprs: 128, and 72 in the DiT rows; bf16
 summaries and RoPE tables, as an all-bf16 call passes them), prints registers per thread, stack (spilled) bytes,
 shared memory, and counts of the SASS instructions that decide speed: tensor-core ops (HGMMA: Hopper's wgmma; HMMA:
@@ -59,7 +59,8 @@ TILE = dict(BLOCK_D=128, BLOCK_DV=128, D=128, DV=128)  # head dims are constexpr
 MIX_BLOCKS = 252
 MIX_COLUMNS = {MIX_BLOCKS: (40 * 128 * 128, 40 * 128), 30: (16 * 72 * 72, 16 * 72)}
 WAN_BLOCK_TOKENS = 7 * 8 * 11  # longest block of Wan2.1-1.3B 480p: grid (21, 30, 52) cut (3, 4, 5)
-DIT_BLOCK_TOKENS = 7 * 6  # longest block of DiT-XL/2 512 px: grid (1, 32, 32) cut (1, 5, 6); mhla.SHORT_CONFIG applies
+DIT_BLOCK_TOKENS = 7 * 6  # longest block of DiT-XL/2 512 px: grid (1, 32, 32) cut (1, 5, 6); mhla.SHORTEST_CONFIG applies
+DIT_1024_BLOCK_TOKENS = 8 * 8  # DiT-XL/2 1024 px: grid (1, 64, 64) cut (1, 8, 8); mhla.SHORT_CONFIG applies
 # name: (kernel, CONFIG entry, constexprs besides the config's block_n[, tokens of the longest block: Wan's if absent])
 KERNELS = {
     "summary fwd": (mhla._summary_kernel, "summary", dict(
@@ -88,6 +89,9 @@ KERNELS = {
     "summary fwd d72": (mhla._summary_kernel, "summary", dict(  # z out of the product's padding column
         D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, Z_IN_DOT=True,
         ATOMIC=False, D=72, DV=72), DIT_BLOCK_TOKENS),
+    "summary fwd d72, 1024 px": (mhla._summary_kernel, "summary", dict(
+        D_TILES=1, DV_TILES=1, ELU=False, ROPE=False, SCALE_Y=False, WEIGHT_Z=False, WITH_Z=True, Z_IN_DOT=True,
+        ATOMIC=False, D=72, DV=72), DIT_1024_BLOCK_TOKENS),
     "output d72": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True, D=72, DV=72),
                    DIT_BLOCK_TOKENS),
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(

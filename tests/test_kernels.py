@@ -255,7 +255,7 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's 252 blocks
     (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared memory; at
     DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline. DiT's forward summary
-    kernel, z out of its product, fits two programs per SM. Each row is typed as its launcher passes it: the 252-block
+    kernel at 1024 px, z out of its product, fits two programs per SM. Each row is typed as its launcher passes it: the 252-block
     mixing row (no z) with S's bf16 buffers standing in for z's, which Triton 3.6 compiled into a z walk of mismatched
     types and refused (every mixing launch without z, on the H200 in session 38; reproduced on CPU with Triton 3.6's
     compiler, which this environment does not install)."""
@@ -278,9 +278,10 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(rows["grad dk dv rope"]["stack B"]) == 0 and int(rows["grad dk dv rope"]["LDL"]) == 0
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
-    # DiT's forward summaries, z out of the product's padding column: two programs per SM (165 registers, one, with
-    # the per-token z tile), nothing spilled
-    assert int(rows["summary fwd d72"]["regs"]) <= 128 and int(rows["summary fwd d72"]["stack B"]) == 0
+    # DiT-XL/2 1024 px's forward summaries (8 warps), z out of the product's padding column: two programs per SM (165
+    # registers, one, with the per-token z tile), nothing spilled
+    row = rows["summary fwd d72, 1024 px"]
+    assert int(row["regs"]) <= 128 and int(row["stack B"]) == 0, row
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
     row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
@@ -449,11 +450,17 @@ def test_launch_sweep_keeps_each_kernels_fastest_override(monkeypatch):
 
 def test_short_block_overrides_apply_where_they_were_measured():
     """SHORT_CONFIG was chosen on plain bf16 calls with tiles up to 128: fp32 and fp16 keep their own small tile, RoPE
-    calls their own overrides, long blocks CONFIG."""
+    calls their own overrides, long blocks CONFIG; SHORTEST_CONFIG, over it, for blocks of up to 48 tokens (DiT-XL/2
+    512 px, SANA 1K: 42), not at 1024 px's 64."""
     from mhla_diffusion.kernels import mhla
 
     short = mhla._config("output", torch.bfloat16, 128, 42)
     assert {k: short[k] for k in mhla.SHORT_CONFIG["output"]} == mhla.SHORT_CONFIG["output"]
+    shortest = mhla._config("summary", torch.bfloat16, 128, 42)
+    assert {k: shortest[k] for k in mhla.SHORTEST_CONFIG["summary"]} == mhla.SHORTEST_CONFIG["summary"]
+    at_64 = mhla._config("summary", torch.bfloat16, 128, 64)
+    assert {k: at_64[k] for k in mhla.SHORT_CONFIG["summary"]} == mhla.SHORT_CONFIG["summary"]
+    assert mhla._config("summary", torch.bfloat16, 128, 42, rope=True)["block_n"] == mhla.CONFIG["summary"]["block_n"]
     assert mhla._config("output", torch.bfloat16, 128, 616)["block_n"] == mhla.CONFIG["output"]["block_n"]
     assert mhla._config("output", torch.float32, 128, 42) == mhla._config("output", torch.float32, 128, 616)
     assert mhla._config("grad", torch.bfloat16, 128, 42, rope=True) == mhla._config("grad", torch.bfloat16, 128, 616,
