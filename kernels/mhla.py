@@ -653,9 +653,10 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     Where Dv pads its tile and z is a plain sum of unrotated features (no RoPE, y_scale or z_weight: the forward's),
     y is loaded with ones past Dv and z is the product's column Dv: no per-token fp32 z tile beside the accumulator
     (H200, DiT-XL/2 forward 512 px 0.0440 -> 0.0426 ms, 1024 px 0.1121 -> 0.1093; sm_90 at 64-token tiles with a head
-    stride divisible by 16, 168 -> 128 registers; DiT's real head stride, 72, compiles to 255 either way). z then sums phi(x) as the product's operands hold it, as S does: rounded
-    to bf16 for bf16 inputs, truncated to TF32 for fp16 inputs (exact for relu of either; with elu, fp16's z gets S's
-    truncation bias, ~-2e-4, which partly cancels in o = num / den)."""
+    stride divisible by 16, 168 -> 128 registers; DiT's real head stride, 72, compiles to 255 either way). z then sums
+    phi(x) as the product's operands hold it, as S does: rounded to bf16 for bf16 inputs, truncated to TF32 for fp16
+    inputs (exact for relu of either; with elu, fp16's z gets S's truncation bias, ~-2e-4, which partly cancels in
+    o = num / den)."""
     block_d = min(pow2(g.D), MAX_TILE)
     d_tiles = cdiv(g.D, block_d)
     state = dtype or state_dtype(x.dtype)

@@ -3,16 +3,17 @@
     python -c "from mhla_diffusion.kernels.resources import main; main()" [--sass DIR]
 
 For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`, `mhla.ROPE_CONFIG` for RoPE rows,
-`mhla.SHORT_CONFIG` and `mhla.SHORTEST_CONFIG` for the DiT rows' 42- and 64-token blocks), specialized as the JIT specializes a Wan2.1 call (pointers
-and strides, RoPE tables' included, divisible by 16; head dims are constexprs: 128, and 72 in the DiT rows; bf16
-summaries and RoPE tables, as an all-bf16 call passes them), prints registers per thread, stack (spilled) bytes,
-shared memory, and counts of the SASS instructions that decide speed: tensor-core ops (HGMMA: Hopper's wgmma; HMMA:
-the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and scalar 16-bit global loads,
-local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time:
-Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps mean one program
-per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's rows (`mhla.CONFIG["mix"]`)
-are at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over all 256 (padded)
-columns, and at DiT-XL/2 512 px's 30 blocks, where it reads the fp32 matrix unpadded and mixes z too.
+`mhla.SHORTEST_CONFIG` and `mhla.SHORT_CONFIG` for the DiT rows' 42- and 64-token blocks), specialized as the JIT
+specializes a Wan2.1 call (pointers and strides, RoPE tables' included, divisible by 16: a DiT call's head stride, 72,
+is not, so the d72 rows are what DiT would get with one that is, kernels/NOTES.md session 38; head dims are constexprs:
+128, and 72 in the DiT rows; bf16 summaries and RoPE tables, as an all-bf16 call passes them), prints registers per
+thread, stack (spilled) bytes, shared memory, and counts of the SASS instructions that decide speed: tensor-core ops
+(HGMMA: Hopper's wgmma; HMMA: the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and
+scalar 16-bit global loads, local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I).
+Costs no device time: Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps
+mean one program per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's rows
+(`mhla.CONFIG["mix"]`) are at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over
+all 256 (padded) columns, and at DiT-XL/2 512 px's 30 blocks, where it reads the fp32 matrix unpadded and mixes z too.
 A row may name another input type ("DTYPE": the fp16 key-gradient row, on fp16's untuned settings with fp32 S and
 tables). `row_settings` and `compile_row` also compile a row for another GPU at other settings: the tests check that
 the settings `fitting.smaller` steps down to fit an A100's and a 4090's shared memory.
@@ -59,7 +60,7 @@ TILE = dict(BLOCK_D=128, BLOCK_DV=128, D=128, DV=128)  # head dims are constexpr
 MIX_BLOCKS = 252
 MIX_COLUMNS = {MIX_BLOCKS: (40 * 128 * 128, 40 * 128), 30: (16 * 72 * 72, 16 * 72)}
 WAN_BLOCK_TOKENS = 7 * 8 * 11  # longest block of Wan2.1-1.3B 480p: grid (21, 30, 52) cut (3, 4, 5)
-DIT_BLOCK_TOKENS = 7 * 6  # longest block of DiT-XL/2 512 px: grid (1, 32, 32) cut (1, 5, 6); mhla.SHORTEST_CONFIG applies
+DIT_BLOCK_TOKENS = 7 * 6  # longest block of DiT-XL/2 512 px: grid (1, 32, 32) cut (1, 5, 6); SHORTEST_CONFIG applies
 DIT_1024_BLOCK_TOKENS = 8 * 8  # DiT-XL/2 1024 px: grid (1, 64, 64) cut (1, 8, 8); mhla.SHORT_CONFIG applies
 # name: (kernel, CONFIG entry, constexprs besides the config's block_n[, tokens of the longest block: Wan's if absent])
 KERNELS = {

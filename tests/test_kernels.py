@@ -248,17 +248,18 @@ def test_unknown_backend_is_rejected():
 
 def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     """`kernels/resources.py` compiles every token kernel and the mixing GEMM for sm_90 on this CPU-only machine and
-    reads the binaries: all run on tensor cores (wgmma at Wan's block length; the short blocks' small token tiles
-    take the warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM) with async-
-    copy loads and nothing spilled, the property its launch config was tuned for. At DiT's head dim (72, no multiple
-    of 16) the token loads stay 16-byte and pipelined: with the head dim a run-time integer they were scalar 2-byte
-    loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's 252 blocks
-    (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared memory; at
-    DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline. DiT's forward summary
-    kernel at 1024 px, z out of its product, fits two programs per SM. Each row is typed as its launcher passes it: the 252-block
-    mixing row (no z) with S's bf16 buffers standing in for z's, which Triton 3.6 compiled into a z walk of mismatched
-    types and refused (every mixing launch without z, on the H200 in session 38; reproduced on CPU with Triton 3.6's
-    compiler, which this environment does not install)."""
+    reads the binaries: all run on tensor cores (wgmma at Wan's block length; the short blocks' small token tiles take
+    the warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM) with async-copy loads
+    and nothing spilled, the property its launch config was tuned for. At DiT's head dim (72, no multiple of 16) the
+    token loads stay 16-byte and pipelined (at the rows' head stride): with the head dim a run-time integer they were
+    scalar 2-byte loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's
+    252 blocks (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared
+    memory; at DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline. DiT's forward
+    summary kernel at 1024 px, z out of its product, fits two programs per SM (with a head stride divisible by 16; DiT's
+    own, 72, is not: kernels/NOTES.md, session 38). Each row is typed as its launcher passes it: the 252-block mixing
+    row (no z) with S's bf16 buffers standing in for z's, which Triton 3.6 compiled into a z walk of mismatched types
+    and refused (every mixing launch without z, on the H200 in session 38; reproduced on CPU with Triton 3.6's compiler,
+    which this environment does not install)."""
     from mhla_diffusion.kernels import resources
 
     resources.main(["--sass", str(tmp_path)])
@@ -279,7 +280,7 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     for name in ("summary fwd d72", "grad dk dv d72"):
         assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
     # DiT-XL/2 1024 px's forward summaries (8 warps), z out of the product's padding column: two programs per SM (165
-    # registers, one, with the per-token z tile), nothing spilled
+    # registers, one, with the per-token z tile), nothing spilled, at the rows' head stride (divisible by 16)
     row = rows["summary fwd d72, 1024 px"]
     assert int(row["regs"]) <= 128 and int(row["stack B"]) == 0, row
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
