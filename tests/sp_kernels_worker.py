@@ -13,7 +13,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import json  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
@@ -24,6 +23,7 @@ from mhla_diffusion.blocks import locality_mix  # noqa: E402
 from mhla_diffusion.kernels import op  # noqa: E402
 from mhla_diffusion.ops import mhla_attention  # noqa: E402
 from mhla_diffusion.ops.context_parallel import token_range  # noqa: E402
+from ranks import finish  # noqa: E402
 
 # 175 tokens cut (2, 2, 2): over 2 and over 3 ranks some slice starts mid-block (the test checks it).
 GRID, BLOCKS = (5, 5, 7), (2, 2, 2)
@@ -74,16 +74,7 @@ def main():
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {name: check(options, launch, world, rank) for name, (options, launch) in CASES.items()}
-    if rank == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump({"grid": GRID, "blocks": BLOCKS, "cases": results}, f)
-    dist.destroy_process_group()
-    # Leave without interpreter finalization: after the results were written, a rank aborted in it 1 run in 4
-    # ("terminate called without an active exception", SIGABRT with no Python frame on the stack; which native
-    # object's teardown throws was not found: the abort does not happen under gdb).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish({"grid": GRID, "blocks": BLOCKS, "cases": results}, sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ the relative errors of the output and of the rank-summed parameter and input gra
 the token counts each rank's first self-attention saw; the gradients again with gradient checkpointing.
 """
 
-import json
 import sys
 
 import torch
@@ -20,6 +19,7 @@ from mhla_diffusion import zoo
 from mhla_diffusion.context_parallel import enable_context_parallel
 from mhla_diffusion.families import self_attentions
 
+from ranks import finish
 from test_convert import inputs
 
 # family: (latent height x width, Wan frames, blocks, model overrides); token counts 175, 35, 25
@@ -88,11 +88,7 @@ def check(family, world):
 def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    results = {family: check(family, world) for family in CASES}
-    if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
+    finish({family: check(family, world) for family in CASES}, sys.argv[1])
 
 
 if __name__ == "__main__":
