@@ -32,6 +32,7 @@ bf16 for bf16 inputs, fp32 otherwise); normalizer sums z are fp32; every accumul
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import triton
@@ -114,9 +115,11 @@ def _block_tokens(pid_m, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0):
 
 
 @triton.jit
-def _head(ptr, b, h, sb, sh):
-    """`ptr` moved to batch b, head h (int64 batch offset: large B*N*heads*D tensors)."""
-    return ptr + b.to(tl.int64) * sb + h * sh
+def _head(ptr, b, h, sb, sh, ALIGN: tl.constexpr):
+    """`ptr` moved to batch b, head h (int64 batch offset: large B*N*heads*D tensors), the head offset marked a
+    multiple of ALIGN (`head_align`): the JIT marks only strides divisible by 16, and unmarked, a head stride of 72
+    (DiT's and PixArt's heads) leaves every token load a scalar 2-byte load."""
+    return ptr + b.to(tl.int64) * sb + tl.multiple_of(h * sh, ALIGN)
 
 
 @triton.jit
@@ -242,7 +245,7 @@ def _summary_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, ys_ptr, zw_ptr, xs_ptr, xw_ptr, s_ptr, z_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd,
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
     WITH_Z: tl.constexpr, Z_IN_DOT: tl.constexpr, ATOMIC: tl.constexpr, NORM_X: tl.constexpr, DOT: tl.constexpr,
@@ -254,10 +257,10 @@ def _summary_kernel(
     b, h = bh // heads, bh % heads
     m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_t // (D_TILES * DV_TILES), pid_s, TOK, N, T, H, W, NBT, NBH,
                                                   NBW, START, M0)
-    x_ptr = _head(x_ptr, b, h, sxb, sxh)
-    y_ptr = _head(y_ptr, b, h, syb, syh)
-    cos_ptr = _head(cos_ptr, b, h, scb, sch)
-    sin_ptr = _head(sin_ptr, b, h, scb, sch)
+    x_ptr = _head(x_ptr, b, h, sxb, sxh, HEAD_ALIGN)
+    y_ptr = _head(y_ptr, b, h, syb, syh, HEAD_ALIGN)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch, HEAD_ALIGN)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch, HEAD_ALIGN)
     xs_ptr = xs_ptr + b * N
     d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -306,7 +309,7 @@ def _output_kernel(
     q_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, qs_ptr, qw_ptr, gain_ptr, o_ptr,
     sqb, sqn, sqh, scb, scn, sch, scd, sob, son, soh,
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps, out_eps,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -314,10 +317,10 @@ def _output_kernel(
     vt = pid_t % DV_TILES
     b, h = bh // heads, bh % heads
     m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_t // DV_TILES, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0)
-    q_ptr = _head(q_ptr, b, h, sqb, sqh)
-    o_ptr = _head(o_ptr, b, h, sob, soh)
-    cos_ptr = _head(cos_ptr, b, h, scb, sch)
-    sin_ptr = _head(sin_ptr, b, h, scb, sch)
+    q_ptr = _head(q_ptr, b, h, sqb, sqh, HEAD_ALIGN)
+    o_ptr = _head(o_ptr, b, h, sob, soh, HEAD_ALIGN)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch, HEAD_ALIGN)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch, HEAD_ALIGN)
     d = tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
@@ -335,19 +338,19 @@ def _grad_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr, WITH_DY: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
     m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_m, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0)
-    x_ptr = _head(x_ptr, b, h, sxb, sxh)
-    y_ptr = _head(y_ptr, b, h, syb, syh)
-    dx_ptr = _head(dx_ptr, b, h, sdxb, sdxh)
-    dy_ptr = _head(dy_ptr, b, h, sdyb, sdyh)
-    cos_ptr = _head(cos_ptr, b, h, scb, sch)
-    sin_ptr = _head(sin_ptr, b, h, scb, sch)
+    x_ptr = _head(x_ptr, b, h, sxb, sxh, HEAD_ALIGN)
+    y_ptr = _head(y_ptr, b, h, syb, syh, HEAD_ALIGN)
+    dx_ptr = _head(dx_ptr, b, h, sdxb, sdxh, HEAD_ALIGN)
+    dy_ptr = _head(dy_ptr, b, h, sdyb, sdyh, HEAD_ALIGN)
+    cos_ptr = _head(cos_ptr, b, h, scb, sch, HEAD_ALIGN)
+    sin_ptr = _head(sin_ptr, b, h, scb, sch, HEAD_ALIGN)
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
     base = _state_row(m, bh)
@@ -526,6 +529,12 @@ def _tokens_per_program(g: Geometry, block_n: int, programs_per_token_group: int
     return cdiv(tiles, groups) * block_n
 
 
+def head_align(*tensors: torch.Tensor) -> int:
+    """A launch's HEAD_ALIGN (`_head`) over `tensors` (B, N, heads, D): the largest power of two, up to 16, that
+    divides every head stride."""
+    return math.gcd(16, *(t.stride(2) for t in tensors))
+
+
 def _rope_args(rope, g: Geometry, like: torch.Tensor):
     if rope is None:
         return like, like, (0, 0, 0, 0)
@@ -650,13 +659,12 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     z[m, bh] = sum phi(x) * z_weight in fp32, over the call's tokens (zero for blocks its slice misses).
     x_norm: (rstd (B, N) from `token_rstd`, weight (heads*D,)), x RMSNormed across heads on the way.
     Programs that split a block add into fp32 with atomics; S is rounded once after.
-    Where Dv pads its tile and z is a plain sum of unrotated features (no RoPE, y_scale or z_weight: the forward's),
-    y is loaded with ones past Dv and z is the product's column Dv: no per-token fp32 z tile beside the accumulator
-    (H200, DiT-XL/2 forward 512 px 0.0440 -> 0.0426 ms, 1024 px 0.1121 -> 0.1093; sm_90 at 64-token tiles with a head
-    stride divisible by 16, 168 -> 128 registers; DiT's real head stride, 72, compiles to 255 either way). z then sums
-    phi(x) as the product's operands hold it, as S does: rounded to bf16 for bf16 inputs, truncated to TF32 for fp16
-    inputs (exact for relu of either; with elu, fp16's z gets S's truncation bias, ~-2e-4, which partly cancels in
-    o = num / den)."""
+    Where Dv pads its tile and z is a plain sum of unrotated features (no RoPE, y_scale or z_weight: the forward's), y
+    is loaded with ones past Dv and z is the product's column Dv: no per-token fp32 z tile beside the accumulator (H200,
+    DiT-XL/2 forward 512 px 0.0440 -> 0.0426 ms, 1024 px 0.1121 -> 0.1093; sm_90 at 64-token tiles, 168 -> 128
+    registers). z then sums phi(x) as the product's operands hold it, as S does: rounded to bf16 for bf16 inputs,
+    truncated to TF32 for fp16 inputs (exact for relu of either; with elu, fp16's z gets S's truncation bias, ~-2e-4,
+    which partly cancels in o = num / den)."""
     block_d = min(pow2(g.D), MAX_TILE)
     d_tiles = cdiv(g.D, block_d)
     state = dtype or state_dtype(x.dtype)
@@ -679,8 +687,8 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
             x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw,
             s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
-            BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles, Z_IN_DOT=z_in_dot, ATOMIC=splits > 1,
-            **flags,
+            HEAD_ALIGN=head_align(x, y, cos), BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles,
+            Z_IN_DOT=z_in_dot, ATOMIC=splits > 1, **flags,
             **_launch(settings),
         )
         return s.to(state), z
@@ -726,7 +734,8 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
             q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
-            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=dv_tiles, **flags,
+            HEAD_ALIGN=head_align(q, o, cos), BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"],
+            DV_TILES=dv_tiles, **flags,
             **_launch(settings),
         )
         return o
@@ -757,8 +766,9 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
             x, y, cos, sin, mat, vec, dx, dy, rden, c,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, BLOCK_N=settings["block_n"],
-            BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]), **flags,
+            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, HEAD_ALIGN=head_align(x, y, dx, dy, cos),
+            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]),
+            **flags,
             **_launch(settings),
         )
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .fitting import launch_within_card
-from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, step_tiles
+from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
 from .sizes import cdiv, pow2
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
@@ -93,19 +93,19 @@ def _parallel_kernel(
     q_ptr, k_ptr, v_ptr, mix_ptr, o_ptr, rden_ptr,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, smi, smj,
     heads, M, eps, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
-    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, OWN: tl.constexpr, WALK: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_ALIGN: tl.constexpr, OWN: tl.constexpr,
+    WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """o for the OWN queries of grid axis 1, batch-head axis 0, walking the keys by WALK (and, normalized, 1 / den
     per query for the backward)."""
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
-    q_ptr = _head(q_ptr, b, h, sqb, sqh)
-    k_ptr = _head(k_ptr, b, h, skb, skh)
-    v_ptr = _head(v_ptr, b, h, svb, svh)
-    o_ptr = _head(o_ptr, b, h, sob, soh)
+    q_ptr = _head(q_ptr, b, h, sqb, sqh, HEAD_ALIGN)
+    k_ptr = _head(k_ptr, b, h, skb, skh, HEAD_ALIGN)
+    v_ptr = _head(v_ptr, b, h, svb, svh, HEAD_ALIGN)
+    o_ptr = _head(o_ptr, b, h, sob, soh, HEAD_ALIGN)
     d = tl.arange(0, BLOCK_D)
     e = tl.arange(0, BLOCK_DV)
     c = tl.arange(0, BLOCK_B)
@@ -137,9 +137,9 @@ def _parallel_grad_kernel(
     q_ptr, k_ptr, v_ptr, mix_ptr, do_ptr, o_ptr, rden_ptr, c_ptr, dx_ptr, dv_ptr, dmix_ptr,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, sob, son, soh, sxb, sxn, sxh, sgb, sgn, sgh, smi, smj,
     heads, M, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
-    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, OWN: tl.constexpr, WALK: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr,
-    KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_ALIGN: tl.constexpr, OWN: tl.constexpr,
+    WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr,
+    NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
     g = dO / den and c = -(dO . o) / den per query (unnormalized: g = dO, c = 0): dP = g V^T + c, dA = dP * W,
@@ -153,13 +153,13 @@ def _parallel_grad_kernel(
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
-    q_ptr = _head(q_ptr, b, h, sqb, sqh)
-    k_ptr = _head(k_ptr, b, h, skb, skh)
-    v_ptr = _head(v_ptr, b, h, svb, svh)
-    do_ptr = _head(do_ptr, b, h, sdb, sdh)
-    o_ptr = _head(o_ptr, b, h, sob, soh)
-    dx_ptr = _head(dx_ptr, b, h, sxb, sxh)
-    dv_ptr = _head(dv_ptr, b, h, sgb, sgh)
+    q_ptr = _head(q_ptr, b, h, sqb, sqh, HEAD_ALIGN)
+    k_ptr = _head(k_ptr, b, h, skb, skh, HEAD_ALIGN)
+    v_ptr = _head(v_ptr, b, h, svb, svh, HEAD_ALIGN)
+    do_ptr = _head(do_ptr, b, h, sdb, sdh, HEAD_ALIGN)
+    o_ptr = _head(o_ptr, b, h, sob, soh, HEAD_ALIGN)
+    dx_ptr = _head(dx_ptr, b, h, sxb, sxh, HEAD_ALIGN)
+    dv_ptr = _head(dv_ptr, b, h, sgb, sgh, HEAD_ALIGN)
     stats = bh.to(tl.int64) * N
     d = tl.arange(0, BLOCK_D)
     e = tl.arange(0, BLOCK_DV)
@@ -232,13 +232,15 @@ def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool) -> bool:
     return dtype == torch.bfloat16 and n <= CONFIG["max_tokens_with_grad" if wants_grad else "max_tokens"]
 
 
-def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool):
-    """Run-time sizes and the constexprs every launch shares: head dims, and the token and block grids, so that a
-    token's block id costs multiplies, not divisions (a kernel per resolution; this path serves short sequences of
-    few resolutions). q, v, mix may be meta tensors: only their shapes and q's type are read."""
+def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool, strided):
+    """Run-time sizes and the constexprs every launch shares: head dims, the alignment of the head strides of the
+    `strided` tensors (`mhla.head_align`), and the token and block grids, so that a token's block id costs
+    multiplies, not divisions (a kernel per resolution; this path serves short sequences of few resolutions). The
+    tensors may be meta tensors: only their shapes, strides and q's type are read."""
     d, dv, m = q.shape[-1], v.shape[-1], mix.shape[0]
     dot, precision = _dot_types(q.dtype)
     return (q.shape[2], m), dict(zip(("T", "H", "W", "NBT", "NBH", "NBW"), (*grid, *blocks)), D=d, DV=dv,
+                                 HEAD_ALIGN=head_align(*strided),
                                  BLOCK_D=max(16, pow2(d)), BLOCK_DV=max(16, pow2(dv)), BLOCK_B=max(16, pow2(m)),
                                  ELU=elu, NORMALIZE=normalize, DOT=dot, PRECISION=precision)
 
@@ -265,7 +267,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     batch, n, heads, _ = q.shape
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
-    sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
+    sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, o))
 
     def launch(tiles):
         _parallel_kernel[(batch * heads, cdiv(n, tiles["OWN"]))](
@@ -284,7 +286,7 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
     dmix = torch.zeros(mix.shape, device=q.device, dtype=torch.float32)
     c = torch.empty_like(rden)
-    sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize)
+    sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, do, o, dq, dk, dv))
     for keys, dx in ((False, dq), (True, dk)):
         def launch(tiles, keys=keys, dx=dx):
             _parallel_grad_kernel[(batch * heads, cdiv(n, tiles["OWN"]))](

@@ -4,19 +4,20 @@
 
 For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`, `mhla.ROPE_CONFIG` for RoPE rows,
 `mhla.SHORTEST_CONFIG` and `mhla.SHORT_CONFIG` for the DiT rows' 42- and 64-token blocks), specialized as the JIT
-specializes a Wan2.1 call (pointers and strides, RoPE tables' included, divisible by 16: a DiT call's head stride, 72,
-is not, so the d72 rows are what DiT would get with one that is, kernels/NOTES.md session 38; head dims are constexprs:
-128, and 72 in the DiT rows; bf16 summaries and RoPE tables, as an all-bf16 call passes them), prints registers per
-thread, stack (spilled) bytes, shared memory, and counts of the SASS instructions that decide speed: tensor-core ops
-(HGMMA: Hopper's wgmma; HMMA: the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and
-scalar 16-bit global loads, local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I).
-Costs no device time: Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps
-mean one program per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's rows
-(`mhla.CONFIG["mix"]`) are at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over
-all 256 (padded) columns, and at DiT-XL/2 512 px's 30 blocks, where it reads the fp32 matrix unpadded and mixes z too.
-A row may name another input type ("DTYPE": the fp16 key-gradient row, on fp16's untuned settings with fp32 S and
-tables). `row_settings` and `compile_row` also compile a row for another GPU at other settings: the tests check that
-the settings `fitting.smaller` steps down to fit an A100's and a 4090's shared memory.
+specializes a real call over contiguous tensors (pointers and strides divisible by 16, RoPE tables' included, but the
+token tensors' head strides: the head dim, 72 in the DiT rows, which the JIT leaves unmarked and `_head` marks
+8-aligned, `mhla.head_align`; head dims are constexprs: 128, and 72 in the DiT rows; bf16 summaries and RoPE tables, as
+an all-bf16 call passes them), prints registers per thread, stack (spilled) bytes, shared memory, and counts of the SASS
+instructions that decide speed: tensor-core ops (HGMMA: Hopper's wgmma; HMMA: the warp-level mma that tiles of under 64
+rows get), async copies (LDGSTS), 16-byte and scalar 16-bit global loads, local-memory traffic (LDL/STL) and
+integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time: Triton's bundled ptxas compiles and its
+cuobjdump reads the binary. Registers over 128 at 8 warps mean one program per SM; LDG.E.U16 in a hot loop means a load
+lost its vectorization. The mixing GEMM's rows (`mhla.CONFIG["mix"]`) are at the 14B model's 252 blocks, where a program
+holds 128 rows of mix (CONFIG's "wide") over all 256 (padded) columns, and at DiT-XL/2 512 px's 30 blocks, where it
+reads the fp32 matrix unpadded and mixes z too. A row may name another input type ("DTYPE": the fp16 key-gradient row,
+on fp16's untuned settings with fp32 S and tables). `row_settings` and `compile_row` also compile a row for another GPU
+at other settings: the tests check that the settings `fitting.smaller` steps down to fit an A100's and a 4090's shared
+memory.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ POINTER_TYPES = {torch.bfloat16: ("*bf16", FP32_POINTERS),
 OFF = dict(NORM_X=False, NORM_Q=False, OUT_NORM=False, Z_IN_DOT=False)
 # Integer arguments a Wan2.1 call passes as multiples of 16 (the JIT marks them so; loads vectorize on it).
 DIVISIBLE = re.compile(r"^s[a-z]*[bnh]$")
+# A token tensor's head stride: its head dim in a contiguous (B, N, heads, D) call, so not divisible by 16 at D = 72
+# (RoPE tables' excluded: they broadcast over heads, stride 0).
+HEAD_STRIDE = re.compile(r"^s(?!c)[a-z]*h$")
 INSTRUCTIONS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "LDL", "STL", "MUFU", "I2F", "F2I")
 BF16 = dict(DOT=tl.bfloat16, PRECISION="tf32", scd=1)  # RoPE tables: unit stride along D (JIT: constant 1)
 TILE = dict(BLOCK_D=128, BLOCK_DV=128, D=128, DV=128)  # head dims are constexprs: masks at D = 72 vectorize too
@@ -187,7 +191,7 @@ def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     n, m = math.prod(grid), math.prod(blocks)
     q = torch.empty((1, n, 16, 72), dtype=torch.bfloat16, device="meta")
     sizes, meta = parallel._launch_args(q, q, torch.empty((m, m), device="meta"), grid, blocks, elu=False,
-                                        normalize=True)
+                                        normalize=True, strided=(q,))
     kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
     return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, parallel.launch_settings(kernel, n, q.shape[-1])
 
@@ -225,8 +229,8 @@ def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
         sizes = _parallel_row(constexprs)[0]
         tiles = {key: settings[key] for key in ("OWN", "WALK")}
         options = {key: settings[key] for key in ("num_warps", "num_stages")}
-        return compile_for_hopper(kernel, {**sizes, **tiles}, options, FP32_POINTERS | {"mix_ptr", "dmix_ptr"},
-                                  target=target)
+        return compile_for_hopper(kernel, {**sizes, **tiles, **_head_strides(kernel, sizes["D"])}, options,
+                                  FP32_POINTERS | {"mix_ptr", "dmix_ptr"}, target=target)
     constexprs = dict(constexprs)
     dtype = constexprs.pop("DTYPE", torch.bfloat16)
     shape = {**TILE, **constexprs}
@@ -239,8 +243,16 @@ def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
     dot, precision = mhla._dot_types(dtype)
     off = {k: v for k, v in OFF.items() if k in kernel.arg_names}
     pointers, fp32 = POINTER_TYPES[dtype]
-    return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles},
+    head_align = mhla.head_align(torch.empty((1, 1, 1, shape["D"]), device="meta"))
+    return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles,
+                                       **_head_strides(kernel, shape["D"]), "HEAD_ALIGN": head_align},
                               mhla._launch(settings), fp32, target=target, pointer_type=pointers)
+
+
+def _head_strides(kernel, d: int) -> dict:
+    """The kernel's token-tensor head strides in a call over contiguous (B, N, heads, d) tensors (the rows' D and Dv
+    are equal)."""
+    return {arg: d for arg in kernel.arg_names if HEAD_STRIDE.match(arg)}
 
 
 def report() -> dict:

@@ -251,12 +251,12 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     reads the binaries: all run on tensor cores (wgmma at Wan's block length; the short blocks' small token tiles take
     the warp-level mma), and the bf16 forward summary keeps to 128 registers (two programs per SM) with async-copy loads
     and nothing spilled, the property its launch config was tuned for. At DiT's head dim (72, no multiple of 16) the
-    token loads stay 16-byte and pipelined (at the rows' head stride): with the head dim a run-time integer they were
-    scalar 2-byte loads without async copies (the JIT marks only multiples of 16). The mixing GEMM at the 14B model's
+    token loads of every kernel stay 16-byte and pipelined, at DiT's own head stride (72): with the head dim a run-time
+    integer, and then with that head stride unmarked (session 39: the H200's 249-register summary kernel), they were
+    scalar 2-byte loads without async copies (the JIT marks only multiples of 16; `_head` marks the head offset). The mixing GEMM at the 14B model's
     252 blocks (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to registers and fits in shared
     memory; at DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks both pipeline. DiT's forward
-    summary kernel at 1024 px, z out of its product, fits two programs per SM (with a head stride divisible by 16; DiT's
-    own, 72, is not: kernels/NOTES.md, session 38). Each row is typed as its launcher passes it: the 252-block mixing
+    summary kernel at 1024 px, z out of its product, fits two programs per SM. Each row is typed as its launcher passes it: the 252-block mixing
     row (no z) with S's bf16 buffers standing in for z's, which Triton 3.6 compiled into a z walk of mismatched types
     and refused (every mixing launch without z, on the H200 in session 38; reproduced on CPU with Triton 3.6's compiler,
     which this environment does not install)."""
@@ -277,10 +277,11 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(forward["LDGSTS"]) > 0 and int(forward["LDG.E.U16"]) == 0
     # the RoPE dk/dv kernel spilled 1,240 bytes at 4 warps and 2 stages; its own launch options keep it in registers
     assert int(rows["grad dk dv rope"]["stack B"]) == 0 and int(rows["grad dk dv rope"]["LDL"]) == 0
-    for name in ("summary fwd d72", "grad dk dv d72"):
-        assert int(rows[name]["LDGSTS"]) > 0 and int(rows[name]["LDG.E.U16"]) == 0, rows[name]
+    assert all(int(row["LDG.E.U16"]) == 0 for name, row in rows.items() if "d72" in name), rows
+    for name in ("summary fwd d72", "grad dk dv d72", "parallel fwd d72"):
+        assert int(rows[name]["LDGSTS"]) > 0, rows[name]
     # DiT-XL/2 1024 px's forward summaries (8 warps), z out of the product's padding column: two programs per SM (165
-    # registers, one, with the per-token z tile), nothing spilled, at the rows' head stride (divisible by 16)
+    # registers, one, with the per-token z tile), nothing spilled
     row = rows["summary fwd d72, 1024 px"]
     assert int(row["regs"]) <= 128 and int(row["stack B"]) == 0, row
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
@@ -692,6 +693,54 @@ def test_the_forward_summaries_take_z_from_the_products_padding_column(dims, rop
                          backend="triton")
     out.sum().backward()
     assert [kwargs["Z_IN_DOT"] for kwargs in summaries] == [forward, backward]
+
+
+@pytest.mark.parametrize(("dims", "width", "align"), [
+    ((72, 72), None, 8),  # DiT's and PixArt's heads: head stride 72, 16-byte rows the JIT cannot see
+    ((128, 128), None, 16),  # Wan's: the JIT's own mark
+    ((64, 40), None, 8),  # v's and o's head stride, 40, decides
+    ((64, 64), 192, 16),  # q, k, v slices of one fused projection
+    ((40, 40), 124, 4),  # slices of rows of 124 features
+], ids=["72", "128", "64x40", "fused", "124-wide rows"])
+def test_every_token_launch_marks_the_head_offset_as_aligned_as_all_its_tensors_are(dims, width, align, monkeypatch):
+    """Through `mhla_attention(backend="triton")`, forward and backward, linear path (fp32) and quadratic form (bf16,
+    short grids): each token-kernel launch passes HEAD_ALIGN, the largest power of two up to 16 that divides the head
+    stride of every tensor it reads or writes (`_head` marks the head offset a multiple of it: DiT's 72 left every
+    token load scalar, kernels/NOTES.md session 39; a larger mark than the strides allow would load misaligned
+    rows). The launches are recorded, not run."""
+    from mhla_diffusion.kernels import mhla, parallel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs.get("HEAD_ALIGN")))
+
+    token_kernels = {mhla: ("_summary_kernel", "_output_kernel", "_grad_kernel"),
+                     parallel: ("_parallel_kernel", "_parallel_grad_kernel")}
+    for owner, names in token_kernels.items():
+        for name in names:
+            monkeypatch.setattr(owner, name, Recorder(name))
+    monkeypatch.setattr(mhla, "_mix_kernel", Recorder("_mix_kernel"))
+    monkeypatch.setattr(mhla, "_gram_kernel", Recorder("_gram_kernel"))
+    d, dv = dims
+    for dtype, side in ((torch.float32, 8), (torch.bfloat16, 8)):
+        n = side * side
+        if width:
+            rows = torch.randn(1, n, 2, width, dtype=dtype, requires_grad=True)
+            q, k, v = rows[..., :d], rows[..., d:2 * d], rows[..., width - dv:]
+        else:
+            q, k = (torch.randn(1, n, 2, d, dtype=dtype, requires_grad=True) for _ in range(2))
+            v = torch.randn(1, n, 2, dv, dtype=dtype, requires_grad=True)
+        out = mhla_attention(q, k, v, locality_mix((1, 2, 2)).float(), (1, side, side), (1, 2, 2), backend="triton")
+        out.float().sum().backward()
+    names = {name for name, _ in launches}
+    assert {"_summary_kernel", "_output_kernel", "_grad_kernel", "_parallel_kernel", "_parallel_grad_kernel"} <= names
+    assert {a for name, a in launches if name not in ("_mix_kernel", "_gram_kernel")} == {align}, launches
 
 
 def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
