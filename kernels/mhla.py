@@ -309,9 +309,9 @@ def _output_kernel(
     q_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, qs_ptr, qw_ptr, gain_ptr, o_ptr,
     sqb, sqn, sqh, scb, scn, sch, scd, sob, son, soh,
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps, out_eps,
-    HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
-    ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr,
+    OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     vt = pid_t % DV_TILES
@@ -338,9 +338,9 @@ def _grad_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps,
-    HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TILES: tl.constexpr,
-    ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr, WITH_DY: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr,
+    WITH_DY: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
@@ -567,14 +567,15 @@ CONFIG = {
 # no async copies) -> 8 warps, 2 stages: 1.3B 480p 0.303 / 1.268 -> 0.303 / 1.171, 14B 720p 1.649 / 7.085 -> 1.653 /
 # 6.421; then the output kernel on 4 warps: 0.297 / 1.162, 1.610 / 6.394 (the plain op: 0.314 / 1.153, 1.713 / 6.223).
 ROPE_CONFIG = {"summary": {}, "output": {"num_warps": 4}, "grad": {"num_warps": 8, "num_stages": 2}}
-# Overrides of a kernel's CONFIG entry for bf16 calls without RoPE whose blocks hold at most SHORT_BLOCK tokens (DiT-XL/2
-# and PixArt up to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth, sets the time.
-# H200, 2026-12-01 (`tune.py --sweep short`, whole op, GPU time, fwd / f+b): DiT-XL/2 512 px 0.057 / 0.290 ->
-# 0.055 / 0.206, 1024 px 0.117 / 0.520 -> 0.111 / 0.367, SANA-1.6B 1K 0.055 / 0.168 -> 0.050 / 0.165; the grad
-# kernels' 32-token tiles give most of it (kernels/NOTES.md).
+# Overrides of a kernel's CONFIG entry for bf16 calls without RoPE whose blocks hold at most SHORT_BLOCK tokens
+# (DiT-XL/2 and PixArt up to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth,
+# sets the time. Re-swept once the head offsets were marked aligned (session 39; the settings before were tuned on DiT's
+# scalar loads): H200, 2026-12-05 (`tune.py --sweep short`, one process, whole op, GPU time, fwd / f+b ms), session 38's
+# overrides (summary 64-token tiles and 2 stages, output 16-token tiles and 4 warps, grad 32-token tiles) -> these:
+# DiT-XL/2 512 px 0.0229 / 0.1118 -> 0.0209 / 0.1049, 1024 px 0.0549 / 0.2261 -> 0.0517 / 0.2006, SANA-1.6B 1K 0.0269 /
+# 0.1111 -> 0.0254 / 0.1059; the grad kernels keep CONFIG's settings (BENCHMARKS.md, session 39).
 SHORT_BLOCK = 128
-SHORT_CONFIG = {"summary": {"block_n": 64, "num_stages": 2}, "output": {"block_n": 16, "num_warps": 4},
-                "grad": {"block_n": 32}}
+SHORT_CONFIG = {"summary": {"num_warps": 4}, "output": {"num_warps": 4}}
 # Over SHORT_CONFIG for blocks of at most SHORTEST_BLOCK tokens (DiT-XL/2 and PixArt at 512 px, SANA 1K: 42): the
 # summaries on 16-token tiles and 4 warps. H200, 2026-12-05, session 38 (`tune.py --sweep short`, fwd / f+b ms, against
 # SHORT_CONFIG's): DiT-XL/2 512 px 0.0426 / 0.1730 -> 0.0372 / 0.1602, SANA-1.6B 1K 0.0371 / 0.1323 -> 0.0280 / 0.1125;
