@@ -672,7 +672,8 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
     flags = dict(BLOCK_D=block_d, D_TILES=d_tiles, ELU=elu, ROPE=rope is not None, SCALE_Y=y_scale is not None,
-                 WEIGHT_Z=z_weight is not None, WITH_Z=with_z, NORM_X=x_norm is not None, DOT=dot, PRECISION=precision)
+                 WEIGHT_Z=z_weight is not None, WITH_Z=with_z, NORM_X=x_norm is not None, DOT=dot, PRECISION=precision,
+                 HEAD_ALIGN=head_align(x, y, cos))
 
     def launch(settings):
         block_dv = min(pow2(g.DV), settings["max_dv"])
@@ -688,8 +689,8 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
             x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw,
             s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
-            HEAD_ALIGN=head_align(x, y, cos), BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles,
-            Z_IN_DOT=z_in_dot, ATOMIC=splits > 1, **flags,
+            BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles, Z_IN_DOT=z_in_dot, ATOMIC=splits > 1,
+            **flags,
             **_launch(settings),
         )
         return s.to(state), z
@@ -726,7 +727,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
     qs, qw = q_norm if q_norm is not None else (o, o)
     gain, out_eps = out_norm if out_norm is not None else (o, 0.0)
     flags = dict(BLOCK_D=block_d, ELU=elu, ROPE=rope is not None, NORMALIZE=normalize, NORM_Q=q_norm is not None,
-                 OUT_NORM=out_norm is not None, DOT=dot, PRECISION=precision)
+                 OUT_NORM=out_norm is not None, DOT=dot, PRECISION=precision, HEAD_ALIGN=head_align(q, o, cos))
 
     def launch(settings):
         dv_tiles = cdiv(g.DV, settings["block_dv"])
@@ -735,8 +736,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
             q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
-            HEAD_ALIGN=head_align(q, o, cos), BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"],
-            DV_TILES=dv_tiles, **flags,
+            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=dv_tiles, **flags,
             **_launch(settings),
         )
         return o
@@ -759,7 +759,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
     cos, sin, cs = _rope_args(rope, g, x)
     dot, precision = _dot_types(x.dtype)
     flags = dict(BLOCK_D=block_d, ELU=elu, ROPE=rope is not None, STATS=stats, USE_VEC=use_vec, WITH_DY=with_dy,
-                 DOT=dot, PRECISION=precision)
+                 DOT=dot, PRECISION=precision, HEAD_ALIGN=head_align(x, y, dx, dy, cos))
 
     def launch(settings):
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count, settings["programs"])
@@ -767,9 +767,8 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
             x, y, cos, sin, mat, vec, dx, dy, rden, c,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, HEAD_ALIGN=head_align(x, y, dx, dy, cos),
-            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]),
-            **flags,
+            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, BLOCK_N=settings["block_n"],
+            BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]), **flags,
             **_launch(settings),
         )
 

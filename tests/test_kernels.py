@@ -473,19 +473,33 @@ def test_short_block_overrides_apply_where_they_were_measured():
                                                                                   rope=True)
 
 
-def _record_mix_launches(monkeypatch) -> list:
-    """`mhla._mix_kernel` replaced by a recorder: each launch's (args, kwargs) is appended to the list returned, and
-    nothing runs."""
-    from mhla_diffusion.kernels import mhla
+# Every kernel an op call launches, as `kernels.mhla` and `kernels.parallel` name them
+KERNEL_NAMES = ("_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_gram_kernel", "_rstd_kernel",
+                "_parallel_kernel", "_parallel_grad_kernel")
+TOKEN_KERNEL_NAMES = ("_summary_kernel", "_output_kernel", "_grad_kernel", "_parallel_kernel", "_parallel_grad_kernel")
 
-    launches = []
+
+def _record_launches(monkeypatch, names=KERNEL_NAMES) -> dict:
+    """The named kernels replaced by recorders, which run nothing: {name: [(args, kwargs) of each launch]}."""
+    from mhla_diffusion.kernels import mhla, parallel
+
+    launches = {name: [] for name in names}
 
     class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
+        def __init__(self, name):
+            self.name = name
 
-    monkeypatch.setattr(mhla, "_mix_kernel", Recorder())
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches[self.name].append((args, kwargs))
+
+    for name in names:
+        monkeypatch.setattr(mhla if hasattr(mhla, name) else parallel, name, Recorder(name))
     return launches
+
+
+def _record_mix_launches(monkeypatch) -> list:
+    """`mhla._mix_kernel` replaced by a recorder: the (args, kwargs) of each launch, and nothing runs."""
+    return _record_launches(monkeypatch, ("_mix_kernel",))["_mix_kernel"]
 
 
 def _aten_operand_shapes(fn) -> list:
@@ -630,22 +644,8 @@ def test_an_op_call_calls_no_triton_helper_on_the_host(monkeypatch):
     kernels' launches are recorded, not run."""
     import triton.runtime.jit as jit
 
-    from mhla_diffusion.kernels import mhla, parallel
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton backend takes CPU tensors
-    launched = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(self.name)
-
-    for owner, names in ((mhla, ("_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_gram_kernel",
-                                 "_rstd_kernel")), (parallel, ("_parallel_kernel", "_parallel_grad_kernel"))):
-        for name in names:
-            monkeypatch.setattr(owner, name, Recorder(name))
+    launches = _record_launches(monkeypatch)
     helper_calls = []
     call = jit.ConstexprFunction.__call__
     monkeypatch.setattr(jit.ConstexprFunction, "__call__", lambda self, *a, **kw: helper_calls.append(self) or call(
@@ -657,7 +657,8 @@ def test_an_op_call_calls_no_triton_helper_on_the_host(monkeypatch):
             out = mhla_attention(q, k, v, mix, (1, side, side), (1, 5, 6), backend="triton")
         if grad:
             out.float().sum().backward()
-    assert {"_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_parallel_kernel"} <= set(launched)
+    launched = {name for name, calls in launches.items() if calls}
+    assert {"_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_parallel_kernel"} <= launched
     assert helper_calls == []
 
 
@@ -674,20 +675,8 @@ def test_the_forward_summaries_take_z_from_the_products_padding_column(dims, rop
     (Z_IN_DOT: y loaded with ones past Dv) exactly where that is z, a forward's unweighted sum of unrotated features
     with a padding column to hold it; elsewhere the per-token z tile. The launches are recorded, not run (values:
     kernels_interp.py, "stages" and the D=136 / Dv=72 op case)."""
-    from mhla_diffusion.kernels import mhla
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    summaries = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: summaries.append(kwargs) if self.name == "_summary_kernel" else None
-
-    for name in ("_summary_kernel", "_output_kernel", "_grad_kernel", "_mix_kernel", "_gram_kernel"):
-        monkeypatch.setattr(mhla, name, Recorder(name))
+    launches = _record_launches(monkeypatch)
     d, dv = dims
     grid, blocks = (1, 6, 8), (1, 2, 2)
     q, k = (torch.randn(1, 48, 2, d, requires_grad=True) for _ in range(2))
@@ -696,7 +685,7 @@ def test_the_forward_summaries_take_z_from_the_products_padding_column(dims, rop
     out = mhla_attention(q, k, v, locality_mix(blocks).float(), grid, blocks, rope=tables, normalize=normalize,
                          backend="triton")
     out.sum().backward()
-    assert [kwargs["Z_IN_DOT"] for kwargs in summaries] == [forward, backward]
+    assert [kwargs["Z_IN_DOT"] for _, kwargs in launches["_summary_kernel"]] == [forward, backward]
 
 
 @pytest.mark.parametrize(("dims", "width", "align"), [
@@ -712,25 +701,8 @@ def test_every_token_launch_marks_the_head_offset_as_aligned_as_all_its_tensors_
     stride of every tensor it reads or writes (`_head` marks the head offset a multiple of it: DiT's 72 left every
     token load scalar, kernels/NOTES.md session 39; a larger mark than the strides allow would load misaligned
     rows). The launches are recorded, not run."""
-    from mhla_diffusion.kernels import mhla, parallel
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launches = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, kwargs.get("HEAD_ALIGN")))
-
-    token_kernels = {mhla: ("_summary_kernel", "_output_kernel", "_grad_kernel"),
-                     parallel: ("_parallel_kernel", "_parallel_grad_kernel")}
-    for owner, names in token_kernels.items():
-        for name in names:
-            monkeypatch.setattr(owner, name, Recorder(name))
-    monkeypatch.setattr(mhla, "_mix_kernel", Recorder("_mix_kernel"))
-    monkeypatch.setattr(mhla, "_gram_kernel", Recorder("_gram_kernel"))
+    launches = _record_launches(monkeypatch)
     d, dv = dims
     for dtype, side in ((torch.float32, 8), (torch.bfloat16, 8)):
         n = side * side
@@ -742,9 +714,9 @@ def test_every_token_launch_marks_the_head_offset_as_aligned_as_all_its_tensors_
             v = torch.randn(1, n, 2, dv, dtype=dtype, requires_grad=True)
         out = mhla_attention(q, k, v, locality_mix((1, 2, 2)).float(), (1, side, side), (1, 2, 2), backend="triton")
         out.float().sum().backward()
-    names = {name for name, _ in launches}
-    assert {"_summary_kernel", "_output_kernel", "_grad_kernel", "_parallel_kernel", "_parallel_grad_kernel"} <= names
-    assert {a for name, a in launches if name not in ("_mix_kernel", "_gram_kernel")} == {align}, launches
+    assert all(launches[name] for name in TOKEN_KERNEL_NAMES), {name: len(calls) for name, calls in launches.items()}
+    marks = {kwargs.get("HEAD_ALIGN") for name in TOKEN_KERNEL_NAMES for _, kwargs in launches[name]}
+    assert marks == {align}, marks
 
 
 def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
