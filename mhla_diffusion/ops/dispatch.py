@@ -161,10 +161,18 @@ def _fuses(chosen: Backend, norms: Norms, q, k, v, mix, rope, group) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
+# Device types with an autocast, read once here: torch 2.11's Dynamo cannot trace torch.amp.is_autocast_available, and
+# asked in each call it broke a compiled model's graph at every converted layer (DiT-XL/2 512 px with CUDA graphs:
+# 4.83 ms original, 21.6 ms converted; H100, session 40).
+AUTOCAST_DEVICE_TYPES = frozenset(kind for kind in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla",
+                                                    torch._C._get_privateuse1_backend_name())
+                                  if torch.amp.is_autocast_available(kind))
+
+
 def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     """The type autocast runs attention in on `device`, or None where it is off (or has no autocast: meta)."""
     kind = device.type
-    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+    if kind not in AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(kind):
         return None
     return torch.get_autocast_dtype(kind)
 
