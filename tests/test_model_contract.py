@@ -79,6 +79,50 @@ def test_resampled_logits_are_the_free_matrix_at_their_grid_and_stochastic_elsew
     torch.testing.assert_close(resample_logits(const, (1, 2, 2), (1, 4, 4)), torch.zeros(16, 16))
 
 
+def test_inference_reuses_the_mixing_matrix_until_the_logits_change(monkeypatch):
+    """Without gradients a layer resamples its logits once per block grid, not once per call, and any change of the
+    logits (an in-place step, load_state_dict, a dtype move) is seen by the next call; with gradients every call
+    recomputes the matrix, and gradients reach the logits."""
+    from mhla_diffusion import mixing as mixing_module
+
+    model = zoo.build_transformer("dit")
+    md.convert(model)
+    resampled = []
+    resample = mixing_module.resample_logits
+    monkeypatch.setattr(mixing_module, "resample_logits", lambda *a: resampled.append(a[2]) or resample(*a))
+    layers = len(mhla_modules(model))
+    with torch.no_grad():
+        first = run(model, 16, batch=1)
+        assert len(resampled) == layers
+        torch.testing.assert_close(run(model, 16, batch=1), first, rtol=0, atol=0)
+        assert len(resampled) == layers
+        run(model, 8, batch=1)  # another block grid (the logits' own)
+        assert len(resampled) == 2 * layers
+        for p in md.mhla_parameters(model):
+            p.add_(torch.randn_like(p))
+        stepped = run(model, 16, batch=1)
+    fresh = zoo.build_transformer("dit")
+    md.convert(fresh)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(run(fresh, 16, batch=1), stepped, rtol=0, atol=0)
+        assert not torch.equal(stepped, first)
+        model.load_state_dict(zoo.build_transformer("dit", seed=1).state_dict(), strict=False)
+        reloaded = run(model, 16, batch=1)
+        for p in md.mhla_parameters(model):
+            p.zero_()
+        assert not torch.equal(run(model, 16, batch=1), reloaded)
+        mixing = model.transformer_blocks[0].attn1.processor.mixing
+        assert mixing((1, 3, 3)).dtype == torch.float32
+        model.double()
+        torch.testing.assert_close(mixing((1, 3, 3)), mixing._matrix((1, 3, 3)), rtol=0, atol=0)
+    count = len(resampled)
+    run(model.float().train(), 16, batch=1).sum().backward()
+    run(model, 16, batch=1)
+    assert len(resampled) == count + 2 * layers
+    assert all(p.grad is not None for p in md.mhla_parameters(model) if p.requires_grad)
+
+
 @pytest.mark.parametrize("family", zoo.FAMILIES)
 def test_strict_state_dict_ema_deepcopy_and_pickle(family):
     model = zoo.build_transformer(family)
