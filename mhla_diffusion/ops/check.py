@@ -42,6 +42,7 @@ CASES = [
     ("rope unnorm ragged B=2", 6, 64, 40, (3, 13, 23), (2, 3, 4), {"normalize": False, "rope": True, "batch": 2}),
     ("dit-xl-256", 16, 72, 72, (1, 16, 16), "auto", {}),  # short grids: the quadratic form (kernels/parallel.py)
     ("dit-xl-384 elu", 16, 72, 72, (1, 24, 24), "auto", {"feature": "elu"}),  # its forward over 256 tokens
+    ("dit-xl-1024", 16, 72, 72, (1, 64, 64), "auto", {}),  # 64-token blocks: mhla.SHORT_CONFIG's settings
     ("sana-1.6b-512 B=2", 70, 32, 32, (1, 16, 16), "auto", {"batch": 2}),
     # the blocks a converted Wan runs ("auto": 180), where mixing takes the Triton kernel, and 512 blocks (cuBLAS)
     ("wan-1.3b-480p rope unnorm, model's blocks", 12, 128, 128, (21, 30, 52), "auto",
