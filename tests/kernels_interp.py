@@ -478,6 +478,41 @@ def opcheck_case():
     return {"ok": 0.0}
 
 
+def dispatch_case():
+    """Which calls go through the dispatcher as custom ops (`op._call`): with gradients the forward ops, which
+    autograd records; without them (inference) and in the backward, which autograd runs, none: the ops' bodies launch
+    the kernels directly (torch 2.11's custom-op dispatch costs ~200 us of host time a call). Values: op_case's
+    "o no-grad" and gradients, here the same forward either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "mhla_diffusion":
+                self.names.add(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    configure(FEW)
+    gen = torch.Generator().manual_seed(5)
+    grid, blocks = (2, 4, 6), (1, 2, 2)
+    leaves = [torch.randn(1, 48, 2, 16, generator=gen).requires_grad_() for _ in range(3)]
+    leaves.append(locality_mix(blocks).float().requires_grad_())
+    short = [t.detach().bfloat16() for t in leaves[:3]] + [leaves[3].detach()]  # bf16 whole grid: the quadratic form
+    with Ops() as inference, torch.no_grad():
+        out = mhla_attention(*leaves, grid, blocks, backend="triton")
+        mhla_attention(*short, grid, blocks, backend="triton")
+    with Ops() as training:
+        trained = mhla_attention(*leaves, grid, blocks, backend="triton")
+        trained.square().sum().backward()
+    return {"ops without gradients": float(len(inference.names)),
+            "forward ops missing with gradients": float(len({"mhla_summaries", "mhla_output"} - training.names)),
+            "backward ops through the dispatcher": float(len({n for n in training.names if n.endswith("_bwd")})),
+            "o with gradients against o without": rel(trained, out)}
+
+
 CASES = {
     "ragged relu normalized fused-qkv strides": lambda: op_case((2, 5, 7), (1, 2, 3), 2, 16, 16, fused_qkv=True),
     "elu rope unnormalized Dv!=D": lambda: op_case((1, 9, 11), (1, 2, 3), 3, 24, 40, batch=1, normalize=False,
@@ -506,6 +541,7 @@ CASES = {
     "card refusing the tuned settings": refusing_card_case,
     "torch.compile fullgraph": compile_case,
     "opcheck": opcheck_case,
+    "custom ops only where autograd records": dispatch_case,
 }
 
 
