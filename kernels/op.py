@@ -55,6 +55,9 @@ def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float):
     return None if weight is None else (mhla.token_rstd(x, eps), weight.contiguous())
 
 
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose memory the kernels can be launched on
+
+
 def _op(name: str):
     """Registers the function as the custom op `mhla_diffusion::name`; the op keeps the function as `body`, which
     `_call` runs where no one needs the op's node."""
@@ -67,13 +70,16 @@ def _op(name: str):
 
 
 def _call(op, *args):
-    """`op(*args)` where torch.compile traces or autograd records the call; its body otherwise (eager inference, and
-    the backward's own launches): torch 2.11's custom-op dispatch costs host time that eager DiT and SANA, host-bound
+    """`op(*args)` where torch.compile traces, autograd records the call or a tensor is not a plain one (the fake and
+    functional tensors of AOTAutograd's tracing, which torch 2.11 does not mark as compiling; DTensors); its body
+    otherwise (eager inference, and the backward's own launches): torch 2.11's custom-op dispatch costs host time that
+    eager DiT and SANA, host-bound
     at these sizes, pay in full. H100, session 40, eager `mhla_attention` without gradients, median of 6 alternating
     rounds, custom op every call -> bodies: DiT-XL/2 512 px 627 -> 401 us a call, SANA-1.6B 1K 620 -> 436 (the op's
     GPU time: 21 and 27 us); forward+backward 3251 -> 2771 and 2949 -> 2868."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if (torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
         return op(*args)
     return op.body(*args)
 

@@ -478,6 +478,18 @@ def opcheck_case():
     return {"ok": 0.0}
 
 
+def compile_marked_in_trace_only_case():
+    """compile_case where torch.compiler.is_compiling() is true inside Dynamo's own trace only, not through the whole
+    compile session (torch 2.14 holds it there; releases before may not): AOTAutograd's trace of the backward then runs
+    `op._call` on fake tensors, where the ops' bodies cannot launch."""
+    session = torch.compiler._compile_session_context
+    torch.compiler._compile_session_context = contextlib.nullcontext
+    try:
+        return compile_case()
+    finally:
+        torch.compiler._compile_session_context = session
+
+
 def dispatch_case():
     """Which calls go through the dispatcher as custom ops (`op._call`): with gradients the forward ops, which
     autograd records; without them (inference) and in the backward, which autograd runs, none: the ops' bodies launch
@@ -542,6 +554,7 @@ CASES = {
     "torch.compile fullgraph": compile_case,
     "opcheck": opcheck_case,
     "custom ops only where autograd records": dispatch_case,
+    "torch.compile fullgraph, compiling marked in Dynamo's trace only": compile_marked_in_trace_only_case,
 }
 
 

@@ -48,6 +48,7 @@ CASES = [
     "torch.compile fullgraph",
     "opcheck",
     "custom ops only where autograd records",
+    "torch.compile fullgraph, compiling marked in Dynamo's trace only",
 ]
 # fp32 kernels against fp64 references land near 1e-7; fp16 inputs near 3e-4. bf16 numerics are checked on
 # the GPU only (`bench op --check`): Triton's interpreter multiplies bf16 tiles wrongly (tl.dot of two bf16
