@@ -71,12 +71,11 @@ def _op(name: str):
 
 def _call(op, *args):
     """`op(*args)` where torch.compile traces, autograd records the call or a tensor is not a plain one (the fake and
-    functional tensors of AOTAutograd's tracing, which torch 2.11 does not mark as compiling; DTensors); its body
-    otherwise (eager inference, and the backward's own launches): torch 2.11's custom-op dispatch costs host time that
-    eager DiT and SANA, host-bound
-    at these sizes, pay in full. H100, session 40, eager `mhla_attention` without gradients, median of 6 alternating
-    rounds, custom op every call -> bodies: DiT-XL/2 512 px 627 -> 401 us a call, SANA-1.6B 1K 620 -> 436 (the op's
-    GPU time: 21 and 27 us); forward+backward 3251 -> 2771 and 2949 -> 2868."""
+    functional tensors of AOTAutograd's trace, which releases before torch 2.14 may not mark as compiling; DTensors);
+    its body otherwise (eager inference, and the backward's own launches): the custom-op dispatch costs host time that
+    eager DiT and SANA, host-bound at these sizes, pay in full. H100, torch 2.11, session 40, eager `mhla_attention`
+    without gradients, median of 6 alternating rounds, custom op every call -> bodies: DiT-XL/2 512 px 627 -> 401 us
+    a call, SANA-1.6B 1K 620 -> 436 (the op's GPU time: 21 and 27 us); forward+backward 3251 -> 2771 and 2949 -> 2868."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if (torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
