@@ -58,6 +58,11 @@ def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float):
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose memory the kernels can be launched on
 
 
+def _records_grad(tensors) -> bool:
+    """Whether autograd records a call on `tensors`."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _op(name: str):
     """Registers the function as the custom op `mhla_diffusion::name`; the op keeps the function as `body`, which
     `_call` runs where no one needs the op's node."""
@@ -77,8 +82,7 @@ def _call(op, *args):
     without gradients, median of 6 alternating rounds, custom op every call -> bodies: DiT-XL/2 512 px 627 -> 401 us
     a call, SANA-1.6B 1K 620 -> 436 (the op's GPU time: 21 and 27 us); forward+backward 3251 -> 2771 and 2949 -> 2868."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if (torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors)
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+    if torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors) or _records_grad(tensors):
         return op(*args)
     return op.body(*args)
 
@@ -335,8 +339,7 @@ def _takes_parallel_form(q, k, v, mix, geometry, rope, reduce, norms) -> bool:
     measured faster, with gradients wanted or not (`parallel.uses_parallel_form`)."""
     if rope is not None or reduce is not None or norms is not None or q.shape[1] != geometry.num_tokens:
         return False
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mix))
-    return parallel.uses_parallel_form(q.shape[1], q.dtype, wants_grad)
+    return parallel.uses_parallel_form(q.shape[1], q.dtype, _records_grad((q, k, v, mix)))
 
 
 def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None, norms=None):

@@ -493,7 +493,7 @@ def compile_marked_in_trace_only_case():
 def dispatch_case():
     """Which calls go through the dispatcher as custom ops (`op._call`): with gradients the forward ops, which
     autograd records; without them (inference) and in the backward, which autograd runs, none: the ops' bodies launch
-    the kernels directly (torch 2.11's custom-op dispatch costs ~200 us of host time a call). Values: op_case's
+    the kernels directly (the dispatch's host time: `op._call`). Values: op_case's
     "o no-grad" and gradients, here the same forward either way."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -730,6 +730,7 @@ def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     taken = []
+
     def parallel_op(q, *args):
         taken.append("parallel")
         return q, None
