@@ -74,16 +74,42 @@ def _op(name: str):
     return register
 
 
+def _autograd(op, backward, setup_context) -> None:
+    """`op.register_autograd(backward, setup_context=...)`, the two kept for `_Recorded` as `op.autograd`."""
+    op.register_autograd(backward, setup_context=setup_context)
+    op.autograd = (setup_context, backward)
+
+
+class _Recorded(torch.autograd.Function):
+    """An op's body recorded by autograd with the op's own setup_context and backward (`_autograd`): the node the
+    custom op would make, without the dispatcher's host time, for eager training (`_call`)."""
+
+    @staticmethod
+    def forward(ctx, op, *args):
+        output = op.body(*args)
+        setup_context, ctx.op_backward = op.autograd
+        setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *ctx.op_backward(ctx, *grads)
+
+
 def _call(op, *args):
-    """`op(*args)` where torch.compile traces, autograd records the call or a tensor is not a plain one (the fake and
-    functional tensors of AOTAutograd's trace, which releases before torch 2.14 may not mark as compiling; DTensors);
-    its body otherwise (eager inference, and the backward's own launches): the custom-op dispatch costs host time that
-    eager DiT and SANA, host-bound at these sizes, pay in full. H100, torch 2.11, session 40, eager `mhla_attention`
-    without gradients, median of 6 alternating rounds, custom op every call -> bodies: DiT-XL/2 512 px 627 -> 401 us
-    a call, SANA-1.6B 1K 620 -> 436 (the op's GPU time: 21 and 27 us); forward+backward 3251 -> 2771 and 2949 -> 2868."""
+    """`op(*args)` where torch.compile traces or a tensor is not a plain one (the fake and functional tensors of
+    AOTAutograd's trace, which releases before torch 2.14 may not mark as compiling; DTensors); its body otherwise,
+    recorded by `_Recorded` where autograd records the call (eager training) and called as it is elsewhere (eager
+    inference, and the backward's own launches). The custom-op dispatch costs host time that eager DiT and SANA,
+    host-bound at these sizes, pay in full. H100, torch 2.11, session 40, eager `mhla_attention` without gradients,
+    median of 6 alternating rounds, custom op every call -> bodies: DiT-XL/2 512 px 627 -> 401 us a call, SANA-1.6B
+    1K 620 -> 436 (the op's GPU time: 21 and 27 us); forward+backward 3251 -> 2771 and 2949 -> 2868 (the forward's
+    ops still custom ops then)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors) or _records_grad(tensors):
+    if torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors):
         return op(*args)
+    if _records_grad(tensors):
+        return _Recorded.apply(op, *args)
     return op.body(*args)
 
 
@@ -209,7 +235,7 @@ def _parallel_backward(ctx, do, _):
     return dq, dk, dv, dmix, *(None for _ in ctx.options)
 
 
-mhla_parallel.register_autograd(_parallel_backward, setup_context=_save_parallel_inputs)
+_autograd(mhla_parallel, _parallel_backward, _save_parallel_inputs)
 
 
 def _forward_only(*norm_tensors) -> None:
@@ -244,8 +270,8 @@ def _output_backward(ctx, do):
     return dq, dmix, ds, dz, None, None, None, None, None, None, *(None for _ in ctx.options)
 
 
-mhla_summaries.register_autograd(_summaries_backward, setup_context=_save_summaries_inputs)
-mhla_output.register_autograd(_output_backward, setup_context=_save_output_inputs)
+_autograd(mhla_summaries, _summaries_backward, _save_summaries_inputs)
+_autograd(mhla_output, _output_backward, _save_output_inputs)
 
 
 @_op("rms_norm")
@@ -286,7 +312,7 @@ def _rms_norm_backward(ctx, dy, _):
     return dx, dw, None, None
 
 
-mhla_rms_norm.register_autograd(_rms_norm_backward, setup_context=_save_rms_norm_inputs)
+_autograd(mhla_rms_norm, _rms_norm_backward, _save_rms_norm_inputs)
 
 
 def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
-from mhla_diffusion.kernels import mhla, parallel, rms_norm  # noqa: E402
+from mhla_diffusion.kernels import mhla, op, parallel, rms_norm  # noqa: E402
 from mhla_diffusion.kernels.op import (mhla_output, mhla_parallel, mhla_rms_norm, mhla_rms_norm_bwd,  # noqa: E402
                                       mhla_summaries)
 from mhla_diffusion.ops import MHLAOptions, mhla_attention, mhla_op, naive  # noqa: E402
@@ -491,10 +491,10 @@ def compile_marked_in_trace_only_case():
 
 
 def dispatch_case():
-    """Which calls go through the dispatcher as custom ops (`op._call`): with gradients the forward ops, which
-    autograd records; without them (inference) and in the backward, which autograd runs, none: the ops' bodies launch
-    the kernels directly (the dispatch's host time: `op._call`). Values: op_case's
-    "o no-grad" and gradients, here the same forward either way."""
+    """Which calls go through the dispatcher as custom ops (`op._call`): none in eager calls, with gradients or without
+    (inference, eager training and the backward run the ops' bodies; with gradients `op._Recorded` records them with
+    the ops' own backward). Values: op_case's "o no-grad", and the output and gradients of eager training against
+    those of the same call through the custom ops' autograd."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -513,16 +513,32 @@ def dispatch_case():
     leaves = [torch.randn(1, 48, 2, 16, generator=gen).requires_grad_() for _ in range(3)]
     leaves.append(locality_mix(blocks).float().requires_grad_())
     short = [t.detach().bfloat16() for t in leaves[:3]] + [leaves[3].detach()]  # bf16 whole grid: the quadratic form
+    upstream = torch.randn(1, 48, 2, 16, generator=gen)
+
+    def train():
+        out = mhla_attention(*leaves, grid, blocks, backend="triton")
+        grads = torch.autograd.grad(out, leaves, upstream)
+        return out, grads
+
     with Ops() as inference, torch.no_grad():
         out = mhla_attention(*leaves, grid, blocks, backend="triton")
         mhla_attention(*short, grid, blocks, backend="triton")
     with Ops() as training:
-        trained = mhla_attention(*leaves, grid, blocks, backend="triton")
-        trained.square().sum().backward()
+        trained, grads = train()
+    eager_call = op._call
+    op._call = lambda fn, *args: fn(*args)  # every call through the dispatcher, as torch.compile's graph calls them
+    try:
+        with Ops() as through_ops:
+            reference, reference_grads = train()
+    finally:
+        op._call = eager_call
     return {"ops without gradients": float(len(inference.names)),
-            "forward ops missing with gradients": float(len({"mhla_summaries", "mhla_output"} - training.names)),
-            "backward ops through the dispatcher": float(len({n for n in training.names if n.endswith("_bwd")})),
-            "o with gradients against o without": rel(trained, out)}
+            "ops with gradients": float(len(training.names)),
+            "reference ran no custom op": float(not {"mhla_summaries", "mhla_output"} <= through_ops.names),
+            "o with gradients against o without": rel(trained, out),
+            "o against the custom ops'": rel(trained, reference),
+            **{f"d{name} against the custom ops'": rel(g, r)
+               for name, g, r in zip(("q", "k", "v", "mix"), grads, reference_grads)}}
 
 
 CASES = {
@@ -553,7 +569,7 @@ CASES = {
     "card refusing the tuned settings": refusing_card_case,
     "torch.compile fullgraph": compile_case,
     "opcheck": opcheck_case,
-    "custom ops only where autograd records": dispatch_case,
+    "custom ops only under torch.compile": dispatch_case,
     "torch.compile fullgraph, compiling marked in Dynamo's trace only": compile_marked_in_trace_only_case,
 }
 
