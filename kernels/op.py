@@ -108,8 +108,8 @@ def _call(op, *args):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors):
         return op(*args)
-    if _records_grad(tensors):
-        return _Recorded.apply(op, *args)
+    if _records_grad(tensors):  # the backward ops have no backward: double backward gets torch's own refusal
+        return _Recorded.apply(op, *args) if hasattr(op, "autograd") else op(*args)
     return op.body(*args)
 
 
