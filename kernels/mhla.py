@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..blocks import BlockGeometry
+from . import compiled
 from .fitting import launch_within_card
 from .sizes import cdiv, pow2
 
@@ -685,7 +686,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
         s = _summary_buffer((g.M, g.BH, g.D, g.DV), torch.float32 if splits > 1 else state, g, x.device, splits > 1)
         z = _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, splits > 1 or not with_z)
         xs, xw = x_norm if x_norm is not None else (s, s)
-        _summary_kernel[(g.BH, g.m_count * d_tiles * dv_tiles, splits)](
+        compiled.launch(_summary_kernel, (g.BH, g.m_count * d_tiles * dv_tiles, splits),
             x, y, cos, sin, y_scale if y_scale is not None else s, z_weight if z_weight is not None else s, xs, xw,
             s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
@@ -732,7 +733,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
     def launch(settings):
         dv_tiles = cdiv(g.DV, settings["block_dv"])
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count * dv_tiles, settings["programs"])
-        _output_kernel[(g.BH, g.m_count * dv_tiles, cdiv(g.max_len, tok))](
+        compiled.launch(_output_kernel, (g.BH, g.m_count * dv_tiles, cdiv(g.max_len, tok)),
             q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
@@ -763,7 +764,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
 
     def launch(settings):
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count, settings["programs"])
-        _grad_kernel[(g.BH, g.m_count, cdiv(g.max_len, tok))](
+        compiled.launch(_grad_kernel, (g.BH, g.m_count, cdiv(g.max_len, tok)),
             x, y, cos, sin, mat, vec, dx, dy, rden, c,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
@@ -781,8 +782,8 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     b, n, heads, d = x.shape
     out = torch.empty((b, n), device=x.device, dtype=torch.float32)
     block_n = 32
-    _rstd_kernel[(b, cdiv(n, block_n))](x, out, x.stride(0), x.stride(1), x.stride(2), n, heads, eps, d,
-                                        BLOCK_N=block_n, BLOCK_D=pow2(d), num_warps=4)
+    compiled.launch(_rstd_kernel, (b, cdiv(n, block_n)), x, out, x.stride(0), x.stride(1), x.stride(2), n, heads,
+                    eps, d, BLOCK_N=block_n, BLOCK_D=pow2(d), num_warps=4)
     return out
 
 
@@ -843,9 +844,9 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
 
     def launch(settings):
         grid, kwargs = _mix_launch(m, flat.shape[1], settings, 0 if z is None else z_flat.shape[1])
-        _mix_kernel[grid](a, flat, out, z_flat, z_out, m, flat.shape[1], z_flat.shape[1], m if direct else a.shape[1],
-                          a.stride(0), a.stride(1), flat.stride(0), flat.stride(1), z_flat.stride(0), z_flat.stride(1),
-                          **kwargs)
+        compiled.launch(_mix_kernel, grid, a, flat, out, z_flat, z_out, m, flat.shape[1], z_flat.shape[1],
+                        m if direct else a.shape[1], a.stride(0), a.stride(1), flat.stride(0), flat.stride(1),
+                        z_flat.stride(0), z_flat.stride(1), **kwargs)
 
     launch_within_card(_mix_kernel, s.device, _mix_settings(m), step_tiles("mix"),
                        {"dtype": s.dtype, "M": m, "z": z is not None}, launch)
@@ -913,7 +914,7 @@ def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
     splits = max(1, min(cdiv(f, cfg["block_k"]), cdiv(cfg["programs"], tiles)))
     f_per = cdiv(cdiv(f, splits), cfg["block_k"]) * cfg["block_k"]
     out = torch.zeros((m, m), device=a.device, dtype=torch.float32)
-    _gram_kernel[(cdiv(f, f_per), tiles)](
+    compiled.launch(_gram_kernel, (cdiv(f, f_per), tiles),
         a, b, out, m, f, f_per, BLOCK_M=block_m, BLOCK_K=cfg["block_k"], PRECISION=_dot_types(dtype)[1],
         num_warps=4, num_stages=cfg["num_stages"],
     )

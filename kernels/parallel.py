@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import compiled
 from .fitting import launch_within_card
 from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
 from .sizes import cdiv, pow2
@@ -270,7 +271,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, o))
 
     def launch(tiles):
-        _parallel_kernel[(batch * heads, cdiv(n, tiles["OWN"]))](
+        compiled.launch(_parallel_kernel, (batch * heads, cdiv(n, tiles["OWN"])),
             q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
 
     launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), step_tiles("parallel"),
@@ -289,7 +290,7 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, do, o, dq, dk, dv))
     for keys, dx in ((False, dq), (True, dk)):
         def launch(tiles, keys=keys, dx=dx):
-            _parallel_grad_kernel[(batch * heads, cdiv(n, tiles["OWN"]))](
+            compiled.launch(_parallel_grad_kernel, (batch * heads, cdiv(n, tiles["OWN"])),
                 q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
                 mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
 

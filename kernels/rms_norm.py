@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import compiled
 from .sizes import cdiv, pow2
 
 # tile: elements (rows x padded row) per program (forward) and per step of a program's walk (backward, whose
@@ -88,19 +89,20 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: fl
     rows, features = x.shape
     y = torch.empty_like(x)
     rstd = torch.empty((rows, groups), device=x.device, dtype=torch.float32)
-    launch = _launch("forward", groups, features // groups)
-    _forward_kernel[(cdiv(rows, launch["ROWS"]),)](x, weight, y, rstd, rows, groups, features // groups, eps,
-                                                   **launch)
+    settings = _launch("forward", groups, features // groups)
+    compiled.launch(_forward_kernel, (cdiv(rows, settings["ROWS"]),), x, weight, y, rstd, rows, groups,
+                    features // groups, eps, **settings)
     return y, rstd
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, groups: int):
     """(dx, dweight) of `rms_norm_forward`'s y = f(x, weight) for dy (rows, groups * width), contiguous."""
     rows, features = x.shape
-    launch = _launch("backward", groups, features // groups)
+    settings = _launch("backward", groups, features // groups)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    programs = max(1, min(cdiv(rows, launch["ROWS"]), CONFIG["backward"]["programs_per_sm"] * sms))
+    programs = max(1, min(cdiv(rows, settings["ROWS"]), CONFIG["backward"]["programs_per_sm"] * sms))
     dx = torch.empty_like(x)
     dw = torch.empty((programs, features), device=x.device, dtype=torch.float32)
-    _backward_kernel[(programs,)](x, weight, dy, rstd, dx, dw, rows, groups, features // groups, **launch)
+    compiled.launch(_backward_kernel, (programs,), x, weight, dy, rstd, dx, dw, rows, groups, features // groups,
+                    **settings)
     return dx, dw.sum(0).to(weight.dtype)

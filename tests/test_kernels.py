@@ -76,6 +76,52 @@ def test_kernels_match_reference(interpreted, case):
     assert not bad, f"relative errors above {tolerance}: {bad}"
 
 
+def _recorded_kernel(x_ptr, n, eps, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = True):
+    pass
+
+
+def test_repeated_launches_go_to_the_compiled_kernel_and_new_specializations_to_the_jit(monkeypatch):
+    """`kernels/compiled.py` (no GPU here: Triton's JIT and the kernel it compiles are recorders over a real JIT
+    signature): a launch key's first launch goes through the JIT; a repeat, on other tensors of the same dtype and
+    alignment, to the kernel the JIT compiled, every parameter in order (defaults filled in) on a 3-D grid; whatever
+    Triton specializes on takes the JIT again: a tensor's dtype or 16-byte alignment, an int's value, a launch option."""
+    from triton.runtime.jit import JITFunction
+
+    from mhla_diffusion.kernels import compiled
+
+    launches = []
+
+    class Compiled:
+        def __init__(self, number):
+            self.number = number
+
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("compiled", self.number, grid, args))
+
+    class RecordedJIT(JITFunction):
+        def run(self, *args, grid, warmup, **kwargs):
+            launches.append(("jit", grid, args, kwargs))
+            return Compiled(len(launches))
+
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = RecordedJIT(_recorded_kernel)
+    buf = torch.zeros(64)
+    aligned, also_aligned, misaligned = buf[:32], buf[4:36], buf[1:33]  # fp32: 16 bytes are 4 elements
+    calls = [((aligned, 32, 1e-6), {"BLOCK": 16}), ((also_aligned, 32, 1e-6), {"BLOCK": 16}),
+             ((misaligned, 32, 1e-6), {"BLOCK": 16}), ((aligned, 33, 1e-6), {"BLOCK": 16}),
+             ((aligned.half(), 32, 1e-6), {"BLOCK": 16}), ((aligned, 32, 1e-6), {"BLOCK": 16, "num_warps": 8}),
+             ((buf[5:37], 32, 1e-6), {"BLOCK": 16})]
+    for args, kwargs in calls:
+        compiled.launch(kernel, (4, 2), *args, **kwargs)
+    assert [launch[0] for launch in launches] == ["jit", "compiled", "jit", "jit", "jit", "jit", "compiled"]
+    assert launches[1] == ("compiled", 1, (4, 2, 1), (also_aligned, 32, 1e-6, 16, True))
+    assert launches[6][1] == 3 and launches[6][3][0].data_ptr() == buf[5:].data_ptr()
+    with compiled.through_jit():
+        compiled.launch(kernel, (4, 2), aligned, 32, 1e-6, BLOCK=16)
+    assert launches[-1][0] == "jit"
+
+
 def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 12, 2, 8)

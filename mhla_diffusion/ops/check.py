@@ -43,6 +43,9 @@ CASES = [
     ("dit-xl-256", 16, 72, 72, (1, 16, 16), "auto", {}),  # short grids: the quadratic form (kernels/parallel.py)
     ("dit-xl-384 elu", 16, 72, 72, (1, 24, 24), "auto", {"feature": "elu"}),  # its forward over 256 tokens
     ("dit-xl-1024", 16, 72, 72, (1, 64, 64), "auto", {}),  # 64-token blocks: mhla.SHORT_CONFIG's settings
+    # the case before with q, k, v one element past 16-byte alignment: the kernels Triton compiled for the aligned
+    # ones must not be launched on them (`kernels/compiled.py`'s key)
+    ("dit-xl-1024, inputs off 16-byte alignment", 16, 72, 72, (1, 64, 64), "auto", {"offset": 1}),
     ("sana-1.6b-512 B=2", 70, 32, 32, (1, 16, 16), "auto", {"batch": 2}),
     # the blocks a converted Wan runs ("auto": 180), where mixing takes the Triton kernel, and 512 blocks (cuBLAS)
     ("wan-1.3b-480p rope unnorm, model's blocks", 12, 128, 128, (21, 30, 52), "auto",
@@ -86,6 +89,12 @@ def _poison(shapes_dtypes, device):
     """Fill freshly allocated blocks of these sizes with NaN, then free them for reuse."""
     poisoned = [torch.full(s, math.nan, dtype=dt, device=device) for s, dt in shapes_dtypes]
     del poisoned  # all alive at once, then freed together: the next allocations reuse them
+
+
+def _leaf(t: torch.Tensor, dtype: torch.dtype, offset: int) -> torch.Tensor:
+    """t in dtype as a leaf that wants gradients, its storage starting `offset` elements into a buffer."""
+    buf = torch.empty(t.numel() + offset, device=t.device, dtype=dtype)
+    return buf[offset:].view(t.shape).copy_(t).requires_grad_()
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -134,7 +143,7 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
             return as_ranks(*leaves, grid, blocks, tables, ranks, **kwargs)
         return mhla_attention(*leaves, grid, blocks, rope=tables, backend="triton", **kwargs)
 
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [mix.clone().requires_grad_()]
+    leaves = [_leaf(t, dtype, options.get("offset", 0)) for t in (q, k, v)] + [mix.clone().requires_grad_()]
     outs = [((batch, n, heads, dv), dtype), ((batch, n, heads, d), dtype), ((batch, n, heads, d), dtype),
             ((batch, n, heads, dv), dtype), ((m, batch * heads, d, dv), state_dtype(dtype))]
     _poison(outs, device)

@@ -1,0 +1,61 @@
+"""Launches of a JIT kernel that go straight to the kernel it compiled, after the first of their kind.
+
+Why: `kernel[grid](*args)` makes Triton's JIT bind and specialize every argument (~25-45 of them here) and build its
+cache key on each call before it launches: at DiT and SANA sizes, where the op's GPU time is 20-30 us, eager calls are
+host-bound (kernels/NOTES.md, session 40). `launch` keeps the compiled kernel per launch key and starts it through
+`CompiledKernel[grid]`, Triton's own launcher for a kernel it compiled.
+
+The key holds what Triton specializes a kernel on: each tensor's dtype and whether its address is 16-byte aligned,
+every other argument's type and value (ints as they are, so whatever Triton reads of them, divisibility by 16 or being
+1, is in it), the launch options, and the current device. A launch whose key was not seen yet takes the JIT, which
+compiles, checks and launches as ever; so does every launch of an interpreted kernel (TRITON_INTERPRET=1), a kernel
+with pre-run hooks, and every launch inside `through_jit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from triton.runtime.jit import JITFunction
+
+# (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,
+# each with its default)
+_COMPILED: dict = {}
+_direct = True  # off inside `through_jit`
+
+
+def _arg_key(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    return type(arg), arg
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)` (a grid of one to three ints): on a launch key seen before, the compiled
+    kernel's own launcher with the arguments in the kernel's parameter order (defaults where a parameter is not given);
+    the JIT's otherwise."""
+    if not (_direct and isinstance(kernel, JITFunction)) or kernel.pre_run_hooks:
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, torch.cuda.current_device(), *map(_arg_key, args),
+           *((name, *_arg_key(value)) for name, value in kwargs.items()))
+    known = _COMPILED.get(key)
+    if known is None:
+        compiled = kernel[grid](*args, **kwargs)
+        params = list(kernel.signature.parameters.values())[len(args):]
+        _COMPILED[key] = compiled, [(p.name, p.default) for p in params]
+        return
+    compiled, rest = known
+    compiled[(*grid, 1, 1)[:3]](*args, *(kwargs.get(name, default) for name, default in rest))
+
+
+@contextlib.contextmanager
+def through_jit():
+    """Every launch through the JIT, as `kernel[grid](...)` does: for a check or A/B of `launch` itself."""
+    global _direct
+    _direct = False
+    try:
+        yield
+    finally:
+        _direct = True
