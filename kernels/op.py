@@ -360,12 +360,18 @@ def kernel_tables(rope, dtype: torch.dtype):
     return (None, None) if rope is None else (_table(rope[0], dtype), _table(rope[1], dtype))
 
 
+def _runs_as_called(q: torch.Tensor) -> bool:
+    """Whether a call's launches run as it makes them, host time and all: neither traced by torch.compile nor captured
+    in a CUDA graph."""
+    return not torch.compiler.is_compiling() and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _takes_parallel_form(q, k, v, mix, geometry, rope, reduce, norms) -> bool:
     """Whether a call is over the whole grid, without RoPE or norms on the way, at a length where the quadratic form
-    measured faster, with gradients wanted or not (`parallel.uses_parallel_form`)."""
+    measured faster, with gradients wanted or not, run as called or not (`parallel.uses_parallel_form`)."""
     if rope is not None or reduce is not None or norms is not None or q.shape[1] != geometry.num_tokens:
         return False
-    return parallel.uses_parallel_form(q.shape[1], q.dtype, _records_grad((q, k, v, mix)))
+    return parallel.uses_parallel_form(q.shape[1], q.dtype, _records_grad((q, k, v, mix)), _runs_as_called(q))
 
 
 def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None, norms=None):

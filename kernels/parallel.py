@@ -43,6 +43,10 @@ from .sizes import cdiv, pow2
 #   against 31.8 at 64 x 64 on 8); for heads of up to 32 features (SANA's) 64 keys (25.4 against 35.9 at SANA-1.6B
 #   512 px; 37.6 against 23.2 at DiT's 72). With gradients the form wins at 256 tokens only: at 576 the key kernel alone
 #   takes 142 us against the linear path's 147 for the whole forward+backward.
+# Eager calls without gradients ("max_tokens_eager") are host-bound at these lengths: one launch against the linear
+# path's three, and less Python. H100, torch 2.11, session 41 (`.scratch/dev41.py H`), eager `mhla_attention`, us a
+# call, median of 6 rounds of 100: 1,024 tokens (DiT-XL/2 512 px) 476 -> 164, SANA-1.6B 1K 477 -> 179 (GPU time
+# 0.021 -> 0.029 ms at DiT's, session 40: what CUDA graphs and torch.compile pay, so they keep "max_tokens").
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),
@@ -52,6 +56,7 @@ CONFIG = {
     "grad_keys_narrow": dict(own=64, walk=64, num_warps=4, num_stages=2),
     "narrow_up_to": 32,
     "max_tokens": 576,
+    "max_tokens_eager": 1024,
     "max_tokens_with_grad": 256,
 }
 
@@ -227,10 +232,15 @@ def _store_rows(o_ptr, i, son, mask_i, e, DV: tl.constexpr, x):
              mask=mask_i[:, None] & (e < DV)[None, :])
 
 
-def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool) -> bool:
+def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool, eager: bool = False) -> bool:
     """Whether a whole-grid call of n tokens takes the quadratic form: bf16 (where it was measured) and n up to
-    CONFIG["max_tokens"] (inference) or CONFIG["max_tokens_with_grad"]."""
-    return dtype == torch.bfloat16 and n <= CONFIG["max_tokens_with_grad" if wants_grad else "max_tokens"]
+    CONFIG["max_tokens_with_grad"] with gradients; without, CONFIG["max_tokens_eager"] for an `eager` call (one run as
+    it is called, neither captured in a CUDA graph nor compiled) and CONFIG["max_tokens"] otherwise."""
+    if wants_grad:
+        limit = CONFIG["max_tokens_with_grad"]
+    else:
+        limit = CONFIG["max_tokens_eager" if eager else "max_tokens"]
+    return dtype == torch.bfloat16 and n <= limit
 
 
 def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool, strided):

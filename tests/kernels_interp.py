@@ -490,6 +490,19 @@ def compile_marked_in_trace_only_case():
         torch.compiler._compile_session_context = session
 
 
+def parallel_eager_limit_case():
+    """The quadratic form's forward at `parallel.CONFIG["max_tokens_eager"]` tokens (eager calls without gradients take
+    it up to there), on DiT-XL/2 512 px's grid and blocks, heads of 72, in fp32 against the dense fp64 formula."""
+    gen = torch.Generator().manual_seed(6)
+    side = math.isqrt(parallel.CONFIG["max_tokens_eager"])
+    grid, blocks = (1, side, side), (1, 5, 6)
+    q, k, v = (torch.randn(1, side * side, 2, 72, generator=gen) for _ in range(3))
+    mix = (locality_mix(blocks) + 0.1 * torch.rand(30, 30, generator=gen, dtype=torch.float64)).float()
+    with torch.no_grad():
+        out, _ = mhla_parallel(q, k, v, mix, [*grid, *blocks, 0], True, 1e-6, "relu")
+    return {"o": rel(out, dense_mhla(*(t.double() for t in (q, k, v, mix)), grid, blocks))}
+
+
 def dispatch_case():
     """Which calls go through the dispatcher as custom ops (`op._call`): none in eager calls, with gradients or without
     (inference, eager training and the backward run the ops' bodies; with gradients `op._Recorded` records them with
@@ -569,6 +582,7 @@ CASES = {
     "card refusing the tuned settings": refusing_card_case,
     "torch.compile fullgraph": compile_case,
     "opcheck": opcheck_case,
+    "quadratic form at the eager limit": parallel_eager_limit_case,
     "custom ops only under torch.compile": dispatch_case,
     "torch.compile fullgraph, compiling marked in Dynamo's trace only": compile_marked_in_trace_only_case,
 }

@@ -47,6 +47,7 @@ CASES = [
     "card refusing the tuned settings",
     "torch.compile fullgraph",
     "opcheck",
+    "quadratic form at the eager limit",
     "custom ops only under torch.compile",
     "torch.compile fullgraph, compiling marked in Dynamo's trace only",
 ]
@@ -769,9 +770,10 @@ def test_every_token_launch_marks_the_head_offset_as_aligned_as_all_its_tensors_
 
 def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
     """Through `mhla_attention(backend="triton")`: bf16 calls over a whole grid of up to `parallel.CONFIG["max_tokens"]`
-    tokens without gradients (576; `"max_tokens_with_grad"`, 256, with them) take the quadratic op; with
-    RoPE, for fp32 inputs and past those lengths, the linear path. Calls are recorded, not run (values:
-    kernels_interp.py, "parallel form", and `bench op --check` for bf16)."""
+    tokens without gradients in a CUDA graph's capture (576; `"max_tokens_eager"`, 1024, run as called;
+    `"max_tokens_with_grad"`, 256, with gradients) take the quadratic op; with RoPE, for fp32 inputs and past those
+    lengths, the linear path. Calls are recorded, not run (values: kernels_interp.py, "parallel form", and `bench op
+    --check` for bf16); the capture is what torch.cuda answers during one."""
     from mhla_diffusion.kernels import op, parallel
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -797,7 +799,13 @@ def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path
                            backend="triton")
         return taken.pop()
 
-    for grad, limit in ((False, parallel.CONFIG["max_tokens"]), (True, parallel.CONFIG["max_tokens_with_grad"])):
+    capturing = []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: bool(capturing)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: bool(capturing))
+    for grad, captured, limit in ((False, True, parallel.CONFIG["max_tokens"]),
+                                  (False, False, parallel.CONFIG["max_tokens_eager"]),
+                                  (True, False, parallel.CONFIG["max_tokens_with_grad"])):
+        capturing[:] = [True] if captured else []
         side = math.isqrt(limit)  # the longest square grid at the limit
         assert call(side, grad=grad) == "parallel"
         assert [call(side, grad=grad, rope=True), call(side, dtype=torch.float32, grad=grad)] == ["linear"] * 2
