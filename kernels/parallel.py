@@ -12,7 +12,8 @@ G @ E: G (query tile x blocks) holds the mix rows of the tile's queries, loaded 
 columns of the key tile, so each weight is one exact product of a mix entry with 1.0 (mix rounded to the operand
 type, as the linear path's mixing GEMM rounds it). Its work grows as N^2 (D + Dv), the linear path's as N D Dv plus
 a fixed cost of its launches: at 256 tokens (DiT-XL/2 256 px) this form took half the time, at 576 a sixth less
-without gradients, at 1,024 about as long (`CONFIG`, `uses_parallel_form`; kernels/NOTES.md). The token and block
+without gradients, at 1,024 about as long in GPU time (eager calls, host-bound there, take it up to 1,024 for its one
+launch: `CONFIG`, `uses_parallel_form`; kernels/NOTES.md). The token and block
 grids are constexprs: a short sequence's few resolutions each get their kernels, whose block ids of tokens are then
 multiplies and shifts instead of integer divisions.
 
@@ -232,7 +233,7 @@ def _store_rows(o_ptr, i, son, mask_i, e, DV: tl.constexpr, x):
              mask=mask_i[:, None] & (e < DV)[None, :])
 
 
-def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool, eager: bool = False) -> bool:
+def uses_parallel_form(n: int, dtype: torch.dtype, wants_grad: bool, eager: bool) -> bool:
     """Whether a whole-grid call of n tokens takes the quadratic form: bf16 (where it was measured) and n up to
     CONFIG["max_tokens_with_grad"] with gradients; without, CONFIG["max_tokens_eager"] for an `eager` call (one run as
     it is called, neither captured in a CUDA graph nor compiled) and CONFIG["max_tokens"] otherwise."""
