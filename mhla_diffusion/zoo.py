@@ -18,9 +18,10 @@ VARIANTS = tuple(n for n in tiny_names() if n not in FAMILIES)  # named tiny mem
 WORDS = "a an the of and with on in photo painting cat dog red blue green small large tree house sky".split()
 
 
-def build_transformer(name: str, seed: int = 0, device=None, dtype=None, **overrides):
+def build_transformer(name: str, seed: int = 0, device=None, dtype=None, resolution=None, **overrides):
     """A transformer with random weights: a family or variant name gives its tiny config, a real
-    model name (`families.real_model_names()`) the published one.
+    model name (`families.real_model_names()`) the published one (with `resolution`, the one published for it:
+    `RealModel.checkpoints`).
 
     `device` builds the weights there directly (a 14B model initialised on the CPU takes minutes).
     """
@@ -31,7 +32,7 @@ def build_transformer(name: str, seed: int = 0, device=None, dtype=None, **overr
         config = {**family.tiny, **variant.config}
     else:
         family, real = real_model(name)
-        config = real.config
+        config = real.config if resolution is None else real.config_at(resolution)
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
         model = getattr(diffusers, family.class_names[0])(**{**config, **overrides})

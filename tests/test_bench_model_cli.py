@@ -3,7 +3,7 @@
 import pytest
 
 from mhla_diffusion.cli import main
-from mhla_diffusion.families import family_by_name, real_model
+from mhla_diffusion.families import family_by_name, real_model, real_model_names
 
 
 def latent_shape(name, resolution, frames):
@@ -80,3 +80,18 @@ def test_self_attention_removed_runs_the_block_without_attention(family, monkeyp
     assert sdpa_original == (2 * layers if family == "wan" else layers)  # Wan: self + cross; DiT: self only
     assert len(calls) == sdpa_original - layers and projected == [1]
     assert out.shape == ref.shape and torch.isfinite(out).all() and not torch.allclose(out, ref)
+
+
+@pytest.mark.parametrize("name,resolution", [(n, r) for n in real_model_names() for r in real_model(n)[1].checkpoints])
+def test_a_resolutions_published_checkpoint_is_built_at_its_own_grid(name, resolution):
+    """`bench model` at a resolution with a published checkpoint builds that checkpoint's config (DiT-XL/2 512 px:
+    facebook/DiT-XL-2-512), whose default grid, where a conversion defines the mixing logits, is the grid it runs:
+    no resampling of positions or logits in any call (the base config at that resolution would resample)."""
+    from mhla_diffusion.families import default_grid, latent_grid
+    from mhla_diffusion.zoo import build_transformer
+
+    real = real_model(name)[1]
+    latent = real.latent_shape(resolution, real.frames)
+    model = build_transformer(name, device="meta", resolution=resolution)
+    assert default_grid(model)[0] == latent_grid(model, latent)
+    assert default_grid(build_transformer(name, device="meta"))[0] != latent_grid(model, latent)

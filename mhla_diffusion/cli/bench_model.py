@@ -74,7 +74,7 @@ def run_model(args) -> int:
     frames = args.frames or real.frames
     latent = real.latent_shape(resolution, frames)
     t0 = time.perf_counter()
-    model = build_transformer(args.family, device="cuda", dtype=torch.bfloat16)
+    model = build_transformer(args.family, device="cuda", dtype=torch.bfloat16, resolution=resolution)
     original = attn_processors(model)
     variants = ["original"] + [f"mhla-{lay}" for lay in args.layers] + ([] if args.no_bound else [REMOVED])
     rows = []
@@ -91,7 +91,8 @@ def run_model(args) -> int:
                 if args.profile and batch == 1:
                     print(f"--- profile: {name}{_compiled(args.compile)}, forward ---")
                     print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
-            rows.append(dict(family=args.family, resolution=resolution, frames=frames if len(latent) == 4 else 1,
+            rows.append(dict(family=args.family, resolution=resolution, checkpoint=real.checkpoints.get(str(resolution), {}),
+                             frames=frames if len(latent) == 4 else 1,
                              tokens=math.prod(latent_grid(model, latent)), attention=name, what=what, compile=args.compile,
                              ms=round(ms, 2), peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
@@ -103,7 +104,9 @@ def run_model(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"\n{args.family} {resolution} latent {latent}, {rows[0]['tokens']} tokens, bf16, "
+        checkpoint = rows[0]["checkpoint"]
+        print(f"\n{args.family} {resolution}" + (f" (the {resolution} checkpoint: {checkpoint})" if checkpoint else "")
+              + f", latent {latent}, {rows[0]['tokens']} tokens, bf16, "
               f"{torch.cuda.get_device_name()}, {time.perf_counter() - t0:.0f}s")
         print("| attention | what | ms | speedup | peak GB |\n|---|---|---|---|---|")
         for r in rows:
@@ -119,7 +122,8 @@ def register_model_command(commands) -> None:
     p = commands.add_parser("model", help="real-size transformer: original attention vs MHLA, forward and CFG step",
                             description="Random weights in bf16 on the GPU; no download.")
     p.add_argument("--family", required=True, choices=real_model_names(), help="a published model's config")
-    p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p, 720p or HxW (704x1280) for video (default per model)")
+    p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p, 720p or HxW (704x1280) for video (default per model); "
+                        "where a checkpoint was published for it (DiT-XL/2 512), that checkpoint's config")
     p.add_argument("--frames", type=int, help="video frames, 4k+1 (default per model: 81, Wan2.2-TI2V-5B 121)")
     p.add_argument("--layers", nargs="+", default=["all", "hybrid"], choices=["all", "hybrid"], help="MHLA variants to time (hybrid: every 3rd layer keeps softmax)")
     p.add_argument("--compile", nargs="?", const="default", choices=["default", "reduce-overhead", "max-autotune"],

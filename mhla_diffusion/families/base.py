@@ -36,6 +36,10 @@ class RealModel:
     text_tokens: int = 0  # prompt tokens its text encoder gives the transformer (0: class-conditional)
     temporal_factor: int | None = None  # temporal VAE downsampling (video); None for images
     frames: int = 81  # the video length it runs at (`bench model --frames` default)
+    # config changes of the checkpoint published for a resolution (pixels): the transformer a user runs there. DiT-XL/2
+    # 512 px is facebook/DiT-XL-2-512 (sample_size 64), not the 256 px one run at 512: its positions and MHLA's mixing
+    # logits are then defined at the grid it runs, as after converting that checkpoint
+    checkpoints: dict = field(default_factory=dict)
 
     def latent_shape(self, resolution: str, frames: int) -> tuple:
         """(C, H, W) or (C, F, H, W) of the latent at `resolution` (pixels, "HxW" or a VIDEO_SIZES name)."""
@@ -48,6 +52,10 @@ class RealModel:
         if (frames - 1) % self.temporal_factor:
             raise ValueError(f"--frames must be {self.temporal_factor}k+1 for this video model (e.g. 81), got {frames}")
         return (self.latent_channels, (frames - 1) // self.temporal_factor + 1, h // f, w // f)
+
+    def config_at(self, resolution: str) -> dict:
+        """The config of the checkpoint published for `resolution`, the base config where none is listed."""
+        return {**self.config, **self.checkpoints.get(str(resolution), {})}
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ FAMILY = DiT(
     real={"dit-xl-2": RealModel(dict(in_channels=4, out_channels=8, num_attention_heads=16, attention_head_dim=72,
                                      num_layers=28, activation_fn="gelu-approximate", attention_bias=True,
                                      norm_type="ada_norm_zero", num_embeds_ada_norm=1000, patch_size=2, sample_size=32),
-                                latent_channels=4, vae_factor=8, resolution="512")},
+                                latent_channels=4, vae_factor=8, resolution="512",
+                                checkpoints={"512": dict(sample_size=64)})},  # facebook/DiT-XL-2-512; the above is -256
     objective="ddpm", text=False,
     # split before the first block, gather after the last token-wise projection
     context_parallel=("transformer_blocks.0", "proj_out_2"),
