@@ -48,6 +48,10 @@ from .sizes import cdiv, pow2
 # path's three, and less Python. H100, torch 2.11, session 41 (`.scratch/dev41.py H`), eager `mhla_attention`, us a
 # call, median of 6 rounds of 100: 1,024 tokens (DiT-XL/2 512 px) 476 -> 164, SANA-1.6B 1K 477 -> 179 (GPU time
 # 0.021 -> 0.029 ms at DiT's, session 40: what CUDA graphs and torch.compile pay, so they keep "max_tokens").
+# Not to be used: 64 queries walking 32 or 16 keys on 8 warps gave NaN at 1,024 tokens and 30 blocks (H100 and H200,
+# Triton 3.6, every num_stages; exact in the interpreter, so a compiler fault), where 128 queries walking 16 or 32,
+# 64 walking 64 on 8 warps and 64 walking 32 on 4 were exact (session 42, `.scratch/dev42.py X`). Stepping down
+# (`fitting.smaller` halves WALK) starts from the settings below and reaches such settings from "forward" only.
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),

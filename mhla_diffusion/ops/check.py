@@ -47,6 +47,10 @@ CASES = [
     # ones must not be launched on them (`kernels/compiled.py`'s key)
     ("dit-xl-1024, inputs off 16-byte alignment", 16, 72, 72, (1, 64, 64), "auto", {"offset": 1}),
     ("sana-1.6b-512 B=2", 70, 32, 32, (1, 16, 16), "auto", {"batch": 2}),
+    # the quadratic form with more than 16 blocks (a 32- and a 64-wide mix-row tile): at 1,024 tokens and 30 blocks,
+    # 64-query tiles walking 32 keys on 8 warps gave NaN (H100 and H200, Triton 3.6; exact in the interpreter)
+    ("dit-xl-256, 64 blocks", 16, 72, 72, (1, 16, 16), (1, 8, 8), {}),
+    ("dit-xl-384, 36 blocks", 16, 72, 72, (1, 24, 24), (1, 6, 6), {}),
     # the blocks a converted Wan runs ("auto": 180), where mixing takes the Triton kernel, and 512 blocks (cuBLAS)
     ("wan-1.3b-480p rope unnorm, model's blocks", 12, 128, 128, (21, 30, 52), "auto",
      {"normalize": False, "rope": True, "norms": True}),
