@@ -23,6 +23,7 @@ def test_latent_shapes_match_the_published_token_counts():
         (["bench", "model", "--family", "wan2.1-1.3b"], "needs a CUDA GPU"),
         (["bench", "model", "--family", "wan2.1-1.3b", "--frames", "80"], "4k+1"),
         (["bench", "model", "--family", "dit-xl-2", "--resolution", "500"], "not a multiple"),
+        (["bench", "model", "--family", "dit-xl-2", "--compile", "reduce-overhead", "--back-to-back"], "needs a CUDA GPU"),
     ],
 )
 def test_errors(argv, message, capsys, monkeypatch):
@@ -95,3 +96,43 @@ def test_a_resolutions_published_checkpoint_is_built_at_its_own_grid(name, resol
     model = build_transformer(name, device="meta", resolution=resolution)
     assert default_grid(model)[0] == latent_grid(model, latent)
     assert default_grid(build_transformer(name, device="meta"))[0] != latent_grid(model, latent)
+
+
+@pytest.mark.parametrize("back_to_back,expected_ms", [(False, 2.0), (True, 4.0)])
+def test_calls_are_timed_each_alone_or_back_to_back(back_to_back, expected_ms, monkeypatch):
+    """`bench model`'s timing on a stand-in CUDA clock: each call alone between two events and a synchronize (the
+    median), or `--back-to-back`, every call between one pair of events with no synchronize between calls (the mean),
+    as a sampling loop launches them."""
+    import torch
+
+    from mhla_diffusion.cli.bench_model import timed
+
+    clock, log = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            log.append("record")
+            self.at = clock[0]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3e9)
+    durations = iter([7.0, 1.0, 2.0, 9.0])  # the warm-up call, then three timed ones
+
+    def call():
+        log.append("call")
+        clock[0] += next(durations)
+
+    assert timed(call, warmup=1, iters=3, back_to_back=back_to_back) == (expected_ms, 3.0)
+    timed_part = log[log.index("sync") + 1:]
+    if back_to_back:
+        assert timed_part == ["record", "call", "call", "call", "record", "sync"]
+    else:
+        assert timed_part == ["record", "call", "record", "sync"] * 3

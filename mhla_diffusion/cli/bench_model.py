@@ -16,12 +16,23 @@ from ..families import latent_grid, real_model, real_model_names
 from ..ops.norms import apply_qk_norm
 from .profiling import kernel_profile
 
-def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
-    """Median milliseconds of `fn` and its peak memory in GB."""
+def timed(fn, warmup: int, iters: int, back_to_back: bool = False) -> tuple[float, float]:
+    """Milliseconds of a call of `fn` and its peak memory in GB: the median of `iters` calls timed each alone (the
+    host's time before a call's first launch counts, as the GPU waits for it), or `back_to_back`, the mean of `iters`
+    calls launched one after another as a sampling loop launches them, where a call's host time overlaps the GPU's
+    work on the calls before it."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    if back_to_back:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters, torch.cuda.max_memory_allocated() / 1e9
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -34,6 +45,7 @@ def timed(fn, warmup: int, iters: int) -> tuple[float, float]:
 
 
 REMOVED = "no-self-attn"
+TIMINGS = {False: "each alone (median)", True: "back to back (mean)"}
 
 
 def _pass_values(q, k, v, layer_input, rope=None, qk_norm=None):
@@ -87,14 +99,14 @@ def run_model(args) -> int:
                 continue
             inputs = family.example_inputs(model, latent, batch, real.text_tokens)
             with torch.inference_mode():
-                ms, gb = timed(lambda: fwd(**inputs, return_dict=False), args.warmup, args.iters)
+                ms, gb = timed(lambda: fwd(**inputs, return_dict=False), args.warmup, args.iters, args.back_to_back)
                 if args.profile and batch == 1:
                     print(f"--- profile: {name}{_compiled(args.compile)}, forward ---")
                     print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
             rows.append(dict(family=args.family, resolution=resolution, checkpoint=real.checkpoints.get(str(resolution), {}),
                              frames=frames if len(latent) == 4 else 1,
                              tokens=math.prod(latent_grid(model, latent)), attention=name, what=what, compile=args.compile,
-                             ms=round(ms, 2), peak_gb=round(gb, 2)))
+                             timing=TIMINGS[args.back_to_back], ms=round(ms, 2), peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
         fwd = None  # the compiled graphs go before the next variant is built
         torch.cuda.empty_cache()
@@ -106,7 +118,7 @@ def run_model(args) -> int:
     else:
         checkpoint = rows[0]["checkpoint"]
         print(f"\n{args.family} {resolution}" + (f" (the {resolution} checkpoint: {checkpoint})" if checkpoint else "")
-              + f", latent {latent}, {rows[0]['tokens']} tokens, bf16, "
+              + f", latent {latent}, {rows[0]['tokens']} tokens, bf16, calls timed {rows[0]['timing']}, "
               f"{torch.cuda.get_device_name()}, {time.perf_counter() - t0:.0f}s")
         print("| attention | what | ms | speedup | peak GB |\n|---|---|---|---|---|")
         for r in rows:
@@ -132,6 +144,9 @@ def register_model_command(commands) -> None:
     p.add_argument("--no-bound", action="store_true",
                    help=f"skip the '{REMOVED}' row (self-attention removed: projections and norms run, attention does not)")
     p.add_argument("--profile", action="store_true", help="also print where one forward's time goes (torch.profiler)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="time the iterations launched one after another, as a sampling loop runs them, not each alone: "
+                        "host time before a call's launch then overlaps the GPU's work (CUDA graphs: the GPU time)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", action="store_true")
