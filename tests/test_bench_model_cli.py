@@ -23,7 +23,8 @@ def test_latent_shapes_match_the_published_token_counts():
         (["bench", "model", "--family", "wan2.1-1.3b"], "needs a CUDA GPU"),
         (["bench", "model", "--family", "wan2.1-1.3b", "--frames", "80"], "4k+1"),
         (["bench", "model", "--family", "dit-xl-2", "--resolution", "500"], "not a multiple"),
-        (["bench", "model", "--family", "dit-xl-2", "--compile", "reduce-overhead", "--back-to-back"], "needs a CUDA GPU"),
+        (["bench", "model", "--family", "dit-xl-2", "--compile", "reduce-overhead", "--back-to-back"],
+         "needs a CUDA GPU"),
     ],
 )
 def test_errors(argv, message, capsys, monkeypatch):

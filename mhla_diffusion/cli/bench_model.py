@@ -103,8 +103,8 @@ def run_model(args) -> int:
                 if args.profile and batch == 1:
                     print(f"--- profile: {name}{_compiled(args.compile)}, forward ---")
                     print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
-            rows.append(dict(family=args.family, resolution=resolution, checkpoint=real.checkpoints.get(str(resolution), {}),
-                             frames=frames if len(latent) == 4 else 1,
+            rows.append(dict(family=args.family, resolution=resolution,
+                             checkpoint=real.checkpoints.get(str(resolution), {}), frames=frames if len(latent) == 4 else 1,
                              tokens=math.prod(latent_grid(model, latent)), attention=name, what=what, compile=args.compile,
                              timing=TIMINGS[args.back_to_back], ms=round(ms, 2), peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
@@ -134,8 +134,8 @@ def register_model_command(commands) -> None:
     p = commands.add_parser("model", help="real-size transformer: original attention vs MHLA, forward and CFG step",
                             description="Random weights in bf16 on the GPU; no download.")
     p.add_argument("--family", required=True, choices=real_model_names(), help="a published model's config")
-    p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p, 720p or HxW (704x1280) for video (default per model); "
-                        "where a checkpoint was published for it (DiT-XL/2 512), that checkpoint's config")
+    p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p, 720p or HxW (704x1280) for "
+                   "video (default per model); where a checkpoint was published for it (DiT-XL/2 512), its config")
     p.add_argument("--frames", type=int, help="video frames, 4k+1 (default per model: 81, Wan2.2-TI2V-5B 121)")
     p.add_argument("--layers", nargs="+", default=["all", "hybrid"], choices=["all", "hybrid"], help="MHLA variants to time (hybrid: every 3rd layer keeps softmax)")
     p.add_argument("--compile", nargs="?", const="default", choices=["default", "reduce-overhead", "max-autotune"],
