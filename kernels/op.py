@@ -31,13 +31,19 @@ def op_args(geometry, options, start: int = 0) -> tuple:
             str(options.feature))
 
 
-def _decode(x, y, geometry, normalize, eps, feature):
-    """The launchers' `Geometry` (x: q or k; y: any tensor whose last dim is D_v) and keyword options from a
-    custom op's arguments."""
+def _options(normalize, eps, feature) -> dict:
+    """The launchers' keyword options from a custom op's."""
     if feature not in FEATURES:  # the dispatch refuses these; a direct caller must not get another map
         raise ValueError(f"the Triton kernels compute the feature maps {FEATURES}, not {feature!r}")
+    return dict(elu=feature == "elu", normalize=normalize, eps=eps)
+
+
+def _decode(x, y, geometry, normalize, eps, feature):
+    """The launchers' `Geometry` (x: q or k; y: any tensor whose last dim is D_v) and keyword options from a
+    custom op's arguments. (The quadratic form's ops read the grids from `geometry` as they are: a whole grid,
+    checked by the dispatch, and a Geometry's slice arithmetic was a tenth of an eager call's host time.)"""
     g = mhla.Geometry(x, y, block_geometry(geometry[:3], geometry[3:6]), start=geometry[6])
-    return g, dict(elu=feature == "elu", normalize=normalize, eps=eps)
+    return g, _options(normalize, eps, feature)
 
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -194,9 +200,8 @@ def mhla_parallel(
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, 1 / den per query) of a whole grid's queries in MHLA's quadratic form (`parallel.parallel_output`)."""
-    g, kw = _decode(q, v, geometry, normalize, eps, feature)
     q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-    return parallel.parallel_output(q, k, v, mix, g.grid, g.blocks, **kw)
+    return parallel.parallel_output(q, k, v, mix, geometry[:3], geometry[3:6], **_options(normalize, eps, feature))
 
 
 @mhla_parallel.register_fake
@@ -211,9 +216,9 @@ def mhla_parallel_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, o: torch.Tensor,
     rden: torch.Tensor, geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, kw = _decode(q, v, geometry, normalize, eps, feature)
+    elu = _options(normalize, eps, feature)["elu"]
     do, q, k, v = (_inner_contiguous(t) for t in (do.to(q.dtype), q, k, v))
-    dq, dk, dv, dmix = parallel.parallel_grad(do, q, k, v, mix, o, rden, g.grid, g.blocks, elu=kw["elu"],
+    dq, dk, dv, dmix = parallel.parallel_grad(do, q, k, v, mix, o, rden, geometry[:3], geometry[3:6], elu=elu,
                                               normalize=normalize)
     return dq, dk, dv, dmix.to(mix.dtype)
 
