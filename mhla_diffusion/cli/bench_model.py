@@ -104,7 +104,7 @@ def run_model(args) -> int:
                     print(f"--- profile: {name}{_compiled(args.compile)}, forward ---")
                     print(kernel_profile(lambda: fwd(**inputs, return_dict=False)), flush=True)
             rows.append(dict(family=args.family, resolution=resolution,
-                             checkpoint=real.checkpoints.get(str(resolution), {}), frames=frames if len(latent) == 4 else 1,
+                             checkpoint=real.checkpoint(resolution), frames=frames if len(latent) == 4 else 1,
                              tokens=math.prod(latent_grid(model, latent)), attention=name, what=what, compile=args.compile,
                              timing=TIMINGS[args.back_to_back], ms=round(ms, 2), peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)

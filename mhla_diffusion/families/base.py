@@ -53,9 +53,13 @@ class RealModel:
             raise ValueError(f"--frames must be {self.temporal_factor}k+1 for this video model (e.g. 81), got {frames}")
         return (self.latent_channels, (frames - 1) // self.temporal_factor + 1, h // f, w // f)
 
+    def checkpoint(self, resolution: str) -> dict:
+        """The config changes of the checkpoint published for `resolution` (none where none is listed)."""
+        return self.checkpoints.get(str(resolution), {})
+
     def config_at(self, resolution: str) -> dict:
         """The config of the checkpoint published for `resolution`, the base config where none is listed."""
-        return {**self.config, **self.checkpoints.get(str(resolution), {})}
+        return {**self.config, **self.checkpoint(resolution)}
 
 
 @dataclass(frozen=True)
