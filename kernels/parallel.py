@@ -32,7 +32,7 @@ import triton.language as tl
 from . import compiled
 from .fitting import launch_within_card
 from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
-from .sizes import cdiv, pow2
+from .sizes import cdiv, head_tiles, pow2
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
 # sequences that take this path, without and with gradients. H200, bf16, 2026-12-03 (kernels/NOTES.md, sessions 32
@@ -52,6 +52,11 @@ from .sizes import cdiv, pow2
 # Triton 3.6, every num_stages; exact in the interpreter, so a compiler fault), where 128 queries walking 16 or 32,
 # 64 walking 64 on 8 warps and 64 walking 32 on 4 were exact (session 42, `.scratch/dev42.py X`). Stepping down
 # (`fitting.smaller` halves WALK) starts from the settings below and reaches such settings from "forward" only.
+# "split_heads": the forward's heads in two column tiles where that pads less (`forward_head_tiles`: 72 as 64 + 16).
+# Compiled for sm_90 on the CPU (session 43: `resources.compile_row` of the "parallel fwd d72" rows, and the same at
+# 1,024 tokens, with and without), DiT's 16 x 72 heads at 1,024 tokens: tensor-core work 18 -> 12 units of a 64x64x16
+# wgmma per key tile, shared memory 139 -> 88 KB, registers 210 -> 202; at 256 tokens 84 -> 51 KB. Off until timed on
+# a GPU (exact in the interpreter: kernels_interp.py, "parallel form").
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),
@@ -63,6 +68,7 @@ CONFIG = {
     "max_tokens": 576,
     "max_tokens_eager": 1024,
     "max_tokens_with_grad": 256,
+    "split_heads": False,
 }
 
 
@@ -105,11 +111,12 @@ def _parallel_kernel(
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, smi, smj,
     heads, M, eps, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
     NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_ALIGN: tl.constexpr, OWN: tl.constexpr,
-    WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TAIL_D: tl.constexpr, TAIL_DV: tl.constexpr,
+    BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """o for the OWN queries of grid axis 1, batch-head axis 0, walking the keys by WALK (and, normalized, 1 / den
-    per query for the backward)."""
+    per query for the backward). A head's D (DV) features are one BLOCK_D (BLOCK_DV) column tile, or with TAIL_D
+    (TAIL_DV) > 0 that tile and a second one after it (`head_tiles`: D = 72 as 64 + 16 columns, not 128)."""
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -123,24 +130,39 @@ def _parallel_kernel(
     i = pid * OWN + tl.arange(0, OWN)
     mask_i = i < N
     fq = _features_of(q_ptr, i, sqn, mask_i, d, d < D, ELU).to(DOT)
+    if TAIL_D:
+        d2 = BLOCK_D + tl.arange(0, TAIL_D)
+        fq2 = _features_of(q_ptr, i, sqn, mask_i, d2, d2 < D, ELU).to(DOT)
     rows = _mix_rows(mix_ptr, _block_of(i, T, H, W, NBT, NBH, NBW), mask_i, c, smi, smj, M, DOT)
     acc = tl.zeros((OWN, BLOCK_DV), tl.float32)
+    if TAIL_DV:
+        e2 = BLOCK_DV + tl.arange(0, TAIL_DV)
+        acc2 = tl.zeros((OWN, TAIL_DV), tl.float32)
     den = tl.zeros((OWN,), tl.float32)
     for n0 in range(0, N, WALK):
         n = n0 + tl.arange(0, WALK)
         mask_n = n < N
         fk = _features_of(k_ptr, n, skn, mask_n, d, d < D, ELU).to(DOT)
         a = tl.dot(fq, tl.trans(fk), input_precision=PRECISION)
+        if TAIL_D:
+            fk2 = _features_of(k_ptr, n, skn, mask_n, d2, d2 < D, ELU).to(DOT)
+            a = tl.dot(fq2, tl.trans(fk2), a, input_precision=PRECISION)
         p = a * tl.dot(rows, _one_hot(c, _block_of(n, T, H, W, NBT, NBH, NBW), DOT), input_precision=PRECISION)
         if NORMALIZE:
             den += tl.sum(p, axis=1)
         p = p.to(DOT)
         acc += tl.dot(p, _load_rows(v_ptr, n, svn, mask_n, e, e < DV).to(DOT), input_precision=PRECISION)
+        if TAIL_DV:
+            acc2 += tl.dot(p, _load_rows(v_ptr, n, svn, mask_n, e2, e2 < DV).to(DOT), input_precision=PRECISION)
     if NORMALIZE:
         rden = 1.0 / (den + eps)
         tl.store(rden_ptr + bh.to(tl.int64) * N + i, rden, mask=mask_i)
         acc = acc * rden[:, None]
+        if TAIL_DV:
+            acc2 = acc2 * rden[:, None]
     _store_rows(o_ptr, i, son, mask_i, e, DV, acc)
+    if TAIL_DV:
+        _store_rows(o_ptr, i, son, mask_i, e2, DV, acc2)
 
 
 @triton.jit
@@ -261,6 +283,15 @@ def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool, strided):
                                  ELU=elu, NORMALIZE=normalize, DOT=dot, PRECISION=precision)
 
 
+def forward_head_tiles(d: int, dv: int) -> dict:
+    """The forward's column tiles of q, k (D) and v (DV): with CONFIG["split_heads"], two per head where that pads
+    less (`sizes.head_tiles`: 72 as 64 + 16); otherwise one, `_launch_args`'s."""
+    if not CONFIG["split_heads"]:
+        return dict(TAIL_D=0, TAIL_DV=0)
+    (block_d, tail_d), (block_dv, tail_dv) = head_tiles(d), head_tiles(dv)
+    return dict(BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_DV=block_dv, TAIL_DV=tail_dv)
+
+
 def launch_settings(kernel: str, n: int, d: int) -> dict:
     """OWN, WALK and launch options of `kernel` ("forward", "grad_queries" or "grad_keys") for n tokens of heads of
     d features (`CONFIG`)."""
@@ -284,6 +315,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, o))
+    meta.update(forward_head_tiles(q.shape[-1], v.shape[-1]))
 
     def launch(tiles):
         compiled.launch(_parallel_kernel, (batch * heads, cdiv(n, tiles["OWN"])),

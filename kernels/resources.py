@@ -193,6 +193,8 @@ def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     sizes, meta = parallel._launch_args(q, q, torch.empty((m, m), device="meta"), grid, blocks, elu=False,
                                         normalize=True, strided=(q,))
     kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
+    if kernel == "forward":
+        meta.update(parallel.forward_head_tiles(q.shape[-1], q.shape[-1]))
     return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, parallel.launch_settings(kernel, n, q.shape[-1])
 
 

@@ -16,3 +16,13 @@ def cdiv(a: int, b: int) -> int:
 def pow2(n: int) -> int:
     """The smallest power of two that is at least n (1 for n <= 1)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def head_tiles(d: int) -> tuple[int, int]:
+    """(main, tail): power-of-two column tiles of at least 16 (tensor-core products) covering a head of d features
+    with the least padding, the tail 0 where one tile pads no more: 72 (DiT's, PixArt's) as 64 + 16 columns, not 128;
+    40 as 32 + 16; 32, 112 and 128 whole."""
+    whole = max(16, pow2(d))
+    main = whole // 2
+    tail = max(16, pow2(d - main))
+    return (main, tail) if main >= 16 and main + tail < whole else (whole, 0)

@@ -300,10 +300,12 @@ def mix_case():
 
 SIXTEEN = dict(own=16, walk=16, num_warps=4, num_stages=2)
 # parallel.CONFIG overrides: as shipped; every kernel on 16-token tiles (several blocks in one tile, one block over
-# several); the forward's long-sequence tiles (128 queries) at these short lengths
+# several); the forward's long-sequence tiles (128 queries) at these short lengths; the forward's heads in two column
+# tiles (D = 72 as 64 + 16, Dv = 40 as 32 + 16), at both tilings of the forward
 PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN,
                                               grad_keys_narrow=SIXTEEN),
-                    "long": dict(long_over=0)}
+                    "long": dict(long_over=0), "split heads": dict(split_heads=True),
+                    "split heads, long": dict(split_heads=True, long_over=0)}
 
 
 def parallel_case():
@@ -326,7 +328,7 @@ def parallel_case():
                 ref_leaves = [t.double().requires_grad_() for t in (*qk, v, mix)]
                 ref = dense_mhla(*ref_leaves, grid, blocks, normalize=normalize, feature=feature)
                 ref.backward(do.double())
-                for tiles in ("shipped", "16", "long") if feature == "elu" else ("shipped",):
+                for tiles in PARALLEL_TILINGS if feature == "elu" else ("shipped",):
                     leaves = [t.detach().requires_grad_() for t in (*qk, v, mix)]
                     with overriding(parallel.CONFIG, **PARALLEL_TILINGS[tiles]):
                         out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], normalize, 1e-6, feature)
