@@ -53,10 +53,10 @@ from .sizes import cdiv, head_tiles, pow2
 # 64 walking 64 on 8 warps and 64 walking 32 on 4 were exact (session 42, `.scratch/dev42.py X`). Stepping down
 # (`fitting.smaller` halves WALK) starts from the settings below and reaches such settings from "forward" only.
 # "split_heads": the forward's heads in two column tiles where that pads less (`forward_head_tiles`: 72 as 64 + 16).
-# Compiled for sm_90 on the CPU (session 43: `resources.compile_row` of the "parallel fwd d72" rows, and the same at
-# 1,024 tokens, with and without), DiT's 16 x 72 heads at 1,024 tokens: tensor-core work 18 -> 12 units of a 64x64x16
-# wgmma per key tile, shared memory 139 -> 88 KB, registers 210 -> 202; at 256 tokens 84 -> 51 KB. Off until timed on
-# a GPU (exact in the interpreter: kernels_interp.py, "parallel form").
+# Compiled for sm_90 on the CPU (session 43, `resources.py`'s "parallel fwd d72, 1024 tokens" rows), DiT's 16 x 72
+# heads at 1,024 tokens: tensor-core work 18 -> 12 units of a 64x64x16 wgmma per key tile, shared memory 139 -> 88 KB
+# (an RTX 4090 takes it as tuned), registers 210 -> 202; at 256 tokens 84 -> 51 KB. Off until timed on a GPU (exact
+# in the interpreter: kernels_interp.py, "parallel form").
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),
@@ -283,10 +283,10 @@ def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool, strided):
                                  ELU=elu, NORMALIZE=normalize, DOT=dot, PRECISION=precision)
 
 
-def forward_head_tiles(d: int, dv: int) -> dict:
-    """The forward's column tiles of q, k (D) and v (DV): with CONFIG["split_heads"], two per head where that pads
-    less (`sizes.head_tiles`: 72 as 64 + 16); otherwise one, `_launch_args`'s."""
-    if not CONFIG["split_heads"]:
+def forward_head_tiles(d: int, dv: int, split: bool) -> dict:
+    """The forward's column tiles of q, k (D) and v (DV): `split` (CONFIG["split_heads"]), two per head where that
+    pads less (`sizes.head_tiles`: 72 as 64 + 16); otherwise one, `_launch_args`'s."""
+    if not split:
         return dict(TAIL_D=0, TAIL_DV=0)
     (block_d, tail_d), (block_dv, tail_dv) = head_tiles(d), head_tiles(dv)
     return dict(BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_DV=block_dv, TAIL_DV=tail_dv)
@@ -315,7 +315,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, o))
-    meta.update(forward_head_tiles(q.shape[-1], v.shape[-1]))
+    meta.update(forward_head_tiles(q.shape[-1], v.shape[-1], CONFIG["split_heads"]))
 
     def launch(tiles):
         compiled.launch(_parallel_kernel, (batch * heads, cdiv(n, tiles["OWN"])),

@@ -110,6 +110,11 @@ KERNELS = {
     # forward over 256 tokens (24 x 24 tokens, 16 blocks); fp32 mix
     "parallel fwd d72": (parallel._parallel_kernel, "parallel", dict(grid=(1, 16, 16))),
     "parallel fwd d72, 576 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 24, 24))),
+    # DiT-XL/2 512 px (eager calls take the quadratic form there), its heads in one 128-wide column tile and in 64 + 16
+    # (`parallel.CONFIG["split_heads"]`)
+    "parallel fwd d72, 1024 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 32, 32), SPLIT_HEADS=False)),
+    "parallel fwd d72, 1024 tokens, heads 64 + 16": (parallel._parallel_kernel, "parallel",
+                                                     dict(grid=(1, 32, 32), SPLIT_HEADS=True)),
     "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False, grid=(1, 16, 16))),
     "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True, grid=(1, 16, 16))),
 }
@@ -184,9 +189,11 @@ def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     """Arguments and settings of a quadratic-form row: `parallel._launch_args` and `parallel.launch_settings` for
     16 x 72 heads (DiT-XL/2, PixArt) over the grid the row names (bf16, normalized, relu, "auto" blocks), sizes
-    specialized as the JIT specializes them."""
+    specialized as the JIT specializes them; the forward's head tiles as CONFIG["split_heads"] says unless the row
+    names them ("SPLIT_HEADS", not a kernel argument)."""
     constexprs = dict(constexprs)
     grid = constexprs.pop("grid")
+    split = constexprs.pop("SPLIT_HEADS", parallel.CONFIG["split_heads"])
     blocks = resolve_blocks(grid, "auto")
     n, m = math.prod(grid), math.prod(blocks)
     q = torch.empty((1, n, 16, 72), dtype=torch.bfloat16, device="meta")
@@ -194,7 +201,7 @@ def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
                                         normalize=True, strided=(q,))
     kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
     if kernel == "forward":
-        meta.update(parallel.forward_head_tiles(q.shape[-1], q.shape[-1]))
+        meta.update(parallel.forward_head_tiles(q.shape[-1], q.shape[-1], split))
     return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, parallel.launch_settings(kernel, n, q.shape[-1])
 
 
