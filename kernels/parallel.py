@@ -52,11 +52,12 @@ from .sizes import cdiv, head_tiles, pow2
 # Triton 3.6, every num_stages; exact in the interpreter, so a compiler fault), where 128 queries walking 16 or 32,
 # 64 walking 64 on 8 warps and 64 walking 32 on 4 were exact (session 42, `.scratch/dev42.py X`). Stepping down
 # (`fitting.smaller` halves WALK) starts from the settings below and reaches such settings from "forward" only.
-# "split_heads": the forward's heads in two column tiles where that pads less (`forward_head_tiles`: 72 as 64 + 16).
-# Compiled for sm_90 on the CPU (session 43, `resources.py`'s "parallel fwd d72, 1024 tokens" rows), DiT's 16 x 72
-# heads at 1,024 tokens: tensor-core work 18 -> 12 units of a 64x64x16 wgmma per key tile, shared memory 139 -> 88 KB
-# (an RTX 4090 takes it as tuned), registers 210 -> 202; at 256 tokens 84 -> 51 KB. Off until timed on a GPU (exact
-# in the interpreter: kernels_interp.py, "parallel form").
+# "split_heads": the kernels ("forward", "grad_queries", "grad_keys") whose heads take two column tiles where that
+# pads less (`head_tile_args`: 72 as 64 + 16). Compiled for sm_90 on the CPU (session 43, `resources.py`'s rows "...
+# heads 64 + 16" against the same without), DiT's 16 x 72 heads: the forward at 1,024 tokens, tensor-core work 18 -> 12
+# units of a 64x64x16 wgmma per key tile, shared memory 139 -> 88 KB (an RTX 4090 takes it as tuned), registers 210 ->
+# 202; dq at 256 tokens 173 -> 138 registers, 86 -> 55 KB; the key kernel spilled more (stack 128 -> 816 bytes). None
+# until timed on a GPU (exact in the interpreter: kernels_interp.py, "parallel form").
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),
@@ -68,7 +69,7 @@ CONFIG = {
     "max_tokens": 576,
     "max_tokens_eager": 1024,
     "max_tokens_with_grad": 256,
-    "split_heads": False,
+    "split_heads": (),
 }
 
 
@@ -171,8 +172,9 @@ def _parallel_grad_kernel(
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sdb, sdn, sdh, sob, son, soh, sxb, sxn, sxh, sgb, sgn, sgh, smi, smj,
     heads, M, T: tl.constexpr, H: tl.constexpr, W: tl.constexpr, NBT: tl.constexpr, NBH: tl.constexpr,
     NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_ALIGN: tl.constexpr, OWN: tl.constexpr,
-    WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_B: tl.constexpr, ELU: tl.constexpr,
-    NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TAIL_D: tl.constexpr, TAIL_DV: tl.constexpr,
+    BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
     g = dO / den and c = -(dO . o) / den per query (unnormalized: g = dO, c = 0): dP = g V^T + c, dA = dP * W,
@@ -182,7 +184,7 @@ def _parallel_grad_kernel(
     Not KEYS: a program owns OWN queries and walks all keys in WALK-token tiles: dq, and c, stored for the KEYS
     launch after it. KEYS: a program owns OWN keys and walks all queries: dk, dv and its share of dmix (the
     queries' one-hot sums E_q^T (dP * A) kept per key, multiplied by the keys' one-hot once, one atomic add of
-    the (blocks x blocks) tile)."""
+    the (blocks x blocks) tile). Head tiles as in `_parallel_kernel` (TAIL_D, TAIL_DV: a second column tile)."""
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -196,6 +198,10 @@ def _parallel_grad_kernel(
     stats = bh.to(tl.int64) * N
     d = tl.arange(0, BLOCK_D)
     e = tl.arange(0, BLOCK_DV)
+    if TAIL_D:
+        d2 = BLOCK_D + tl.arange(0, TAIL_D)
+    if TAIL_DV:
+        e2 = BLOCK_DV + tl.arange(0, TAIL_DV)
     c = tl.arange(0, BLOCK_B)
     if KEYS:
         x_ptr, sx, y_ptr, sy = k_ptr, skn, q_ptr, sqn
@@ -206,49 +212,88 @@ def _parallel_grad_kernel(
     block_j = _block_of(j, T, H, W, NBT, NBH, NBW)
     fx = _features_of(x_ptr, j, sx, mask_j, d, d < D, ELU).to(DOT)
     dphi = tl.zeros((OWN, BLOCK_D), tl.float32)
+    if TAIL_D:
+        fx2 = _features_of(x_ptr, j, sx, mask_j, d2, d2 < D, ELU).to(DOT)
+        dphi2 = tl.zeros((OWN, TAIL_D), tl.float32)
     if KEYS:
         vj = _load_rows(v_ptr, j, svn, mask_j, e, e < DV).to(DOT)
-        key_hot = _one_hot(c, block_j, DOT)
         dv = tl.zeros((OWN, BLOCK_DV), tl.float32)
+        if TAIL_DV:
+            vj2 = _load_rows(v_ptr, j, svn, mask_j, e2, e2 < DV).to(DOT)
+            dv2 = tl.zeros((OWN, TAIL_DV), tl.float32)
+        key_hot = _one_hot(c, block_j, DOT)
         pair_sums = tl.zeros((BLOCK_B, OWN), tl.float32)  # per key: sum of dP * A over the queries of block b
     else:
         rows = _mix_rows(mix_ptr, block_j, mask_j, c, smi, smj, M, DOT)
         g = _load_rows(do_ptr, j, sdn, mask_j, e, e < DV)
+        if TAIL_DV:
+            g2 = _load_rows(do_ptr, j, sdn, mask_j, e2, e2 < DV)
         if NORMALIZE:
             rden = tl.load(rden_ptr + stats + j, mask=mask_j, other=0.0)
-            cj = -tl.sum(g * _load_rows(o_ptr, j, son, mask_j, e, e < DV), axis=1) * rden
+            go = tl.sum(g * _load_rows(o_ptr, j, son, mask_j, e, e < DV), axis=1)
+            if TAIL_DV:
+                go += tl.sum(g2 * _load_rows(o_ptr, j, son, mask_j, e2, e2 < DV), axis=1)
+            cj = -go * rden
             tl.store(c_ptr + stats + j, cj, mask=mask_j)
             g = g * rden[:, None]
+            if TAIL_DV:
+                g2 = g2 * rden[:, None]
         g = g.to(DOT)
+        if TAIL_DV:
+            g2 = g2.to(DOT)
     for w0 in range(0, N, WALK):
         n = w0 + tl.arange(0, WALK)
         mask_n = n < N
         block_n = _block_of(n, T, H, W, NBT, NBH, NBW)
         fy = _features_of(y_ptr, n, sy, mask_n, d, d < D, ELU).to(DOT)
+        if TAIL_D:
+            fy2 = _features_of(y_ptr, n, sy, mask_n, d2, d2 < D, ELU).to(DOT)
         if KEYS:  # n: queries; tiles are (queries, keys)
             w = tl.dot(_mix_rows(mix_ptr, block_n, mask_n, c, smi, smj, M, DOT), key_hot, input_precision=PRECISION)
             a = tl.dot(fy, tl.trans(fx), input_precision=PRECISION)
+            if TAIL_D:
+                a = tl.dot(fy2, tl.trans(fx2), a, input_precision=PRECISION)
             gn = _load_rows(do_ptr, n, sdn, mask_n, e, e < DV)
+            if TAIL_DV:
+                gn2 = _load_rows(do_ptr, n, sdn, mask_n, e2, e2 < DV)
             if NORMALIZE:
-                gn = gn * tl.load(rden_ptr + stats + n, mask=mask_n, other=0.0)[:, None]
+                rn = tl.load(rden_ptr + stats + n, mask=mask_n, other=0.0)
+                gn = gn * rn[:, None]
+                if TAIL_DV:
+                    gn2 = gn2 * rn[:, None]
             gn = gn.to(DOT)
             dp = tl.dot(gn, tl.trans(vj), input_precision=PRECISION)
+            if TAIL_DV:
+                gn2 = gn2.to(DOT)
+                dp = tl.dot(gn2, tl.trans(vj2), dp, input_precision=PRECISION)
             if NORMALIZE:
                 dp += tl.load(c_ptr + stats + n, mask=mask_n, other=0.0)[:, None]
             p_t = tl.trans((a * w).to(DOT))
             dv += tl.dot(p_t, gn, input_precision=PRECISION)
+            if TAIL_DV:
+                dv2 += tl.dot(p_t, gn2, input_precision=PRECISION)
             da_t = tl.trans((dp * w).to(DOT))
             pair_sums += tl.dot(_one_hot(c, block_n, DOT), (dp * a).to(DOT), input_precision=PRECISION)
         else:  # n: keys; tiles are (queries, keys)
             w = tl.dot(rows, _one_hot(c, block_n, DOT), input_precision=PRECISION)
             dp = tl.dot(g, tl.trans(_load_rows(v_ptr, n, svn, mask_n, e, e < DV).to(DOT)), input_precision=PRECISION)
+            if TAIL_DV:
+                vn2 = _load_rows(v_ptr, n, svn, mask_n, e2, e2 < DV).to(DOT)
+                dp = tl.dot(g2, tl.trans(vn2), dp, input_precision=PRECISION)
             if NORMALIZE:
                 dp += cj[:, None]
             da_t = (dp * w).to(DOT)  # (owned queries, keys)
         dphi += tl.dot(da_t, fy, input_precision=PRECISION)
+        if TAIL_D:
+            dphi2 += tl.dot(da_t, fy2, input_precision=PRECISION)
     _store_rows(dx_ptr, j, sxn, mask_j, d, D, dphi * _dphi(_features_of(x_ptr, j, sx, mask_j, d, d < D, ELU), ELU))
+    if TAIL_D:
+        _store_rows(dx_ptr, j, sxn, mask_j, d2, D,
+                    dphi2 * _dphi(_features_of(x_ptr, j, sx, mask_j, d2, d2 < D, ELU), ELU))
     if KEYS:
         _store_rows(dv_ptr, j, sgn, mask_j, e, DV, dv)
+        if TAIL_DV:
+            _store_rows(dv_ptr, j, sgn, mask_j, e2, DV, dv2)
         share = tl.dot(pair_sums, tl.trans(key_hot.to(tl.float32)), input_precision="ieee")  # (blocks, blocks)
         tl.atomic_add(dmix_ptr + c[:, None] * M + c[None, :], share, mask=(c[:, None] < M) & (c[None, :] < M))
 
@@ -274,21 +319,19 @@ def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool, strided):
     """Run-time sizes and the constexprs every launch shares: head dims, the alignment of the head strides of the
     `strided` tensors (`mhla.head_align`), and the token and block grids, so that a token's block id costs
     multiplies, not divisions (a kernel per resolution; this path serves short sequences of few resolutions). The
-    tensors may be meta tensors: only their shapes, strides and q's type are read."""
+    tensors may be meta tensors: only their shapes, strides and q's type are read. Each launch adds its head tiles
+    (`head_tile_args`)."""
     d, dv, m = q.shape[-1], v.shape[-1], mix.shape[0]
     dot, precision = _dot_types(q.dtype)
     return (q.shape[2], m), dict(zip(("T", "H", "W", "NBT", "NBH", "NBW"), (*grid, *blocks)), D=d, DV=dv,
-                                 HEAD_ALIGN=head_align(*strided),
-                                 BLOCK_D=max(16, pow2(d)), BLOCK_DV=max(16, pow2(dv)), BLOCK_B=max(16, pow2(m)),
-                                 ELU=elu, NORMALIZE=normalize, DOT=dot, PRECISION=precision)
+                                 HEAD_ALIGN=head_align(*strided), BLOCK_B=max(16, pow2(m)), ELU=elu,
+                                 NORMALIZE=normalize, DOT=dot, PRECISION=precision)
 
 
-def forward_head_tiles(d: int, dv: int, split: bool) -> dict:
-    """The forward's column tiles of q, k (D) and v (DV): `split` (CONFIG["split_heads"]), two per head where that
-    pads less (`sizes.head_tiles`: 72 as 64 + 16); otherwise one, `_launch_args`'s."""
-    if not split:
-        return dict(TAIL_D=0, TAIL_DV=0)
-    (block_d, tail_d), (block_dv, tail_dv) = head_tiles(d), head_tiles(dv)
+def head_tile_args(d: int, dv: int, split: bool) -> dict:
+    """The column tiles of q, k (D) and v (DV): with `split` (the kernel is in CONFIG["split_heads"]), two per head
+    where that pads less (`sizes.head_tiles`: 72 as 64 + 16); otherwise one power of two of at least 16."""
+    (block_d, tail_d), (block_dv, tail_dv) = (head_tiles(x) if split else (max(16, pow2(x)), 0) for x in (d, dv))
     return dict(BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_DV=block_dv, TAIL_DV=tail_dv)
 
 
@@ -315,7 +358,7 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, o))
-    meta.update(forward_head_tiles(q.shape[-1], v.shape[-1], CONFIG["split_heads"]))
+    meta.update(head_tile_args(q.shape[-1], v.shape[-1], "forward" in CONFIG["split_heads"]))
 
     def launch(tiles):
         compiled.launch(_parallel_kernel, (batch * heads, cdiv(n, tiles["OWN"])),
@@ -336,12 +379,15 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
     c = torch.empty_like(rden)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, do, o, dq, dk, dv))
     for keys, dx in ((False, dq), (True, dk)):
-        def launch(tiles, keys=keys, dx=dx):
+        kernel = "grad_keys" if keys else "grad_queries"
+        split = kernel in CONFIG["split_heads"]
+        constexprs = {**meta, **head_tile_args(q.shape[-1], v.shape[-1], split), "KEYS": keys}
+
+        def launch(tiles, dx=dx, constexprs=constexprs):
             compiled.launch(_parallel_grad_kernel, (batch * heads, cdiv(n, tiles["OWN"])),
                 q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
-                mix.stride(1), *sizes, KEYS=keys, **meta, **tiles)
+                mix.stride(1), *sizes, **constexprs, **tiles)
 
-        settings = launch_settings("grad_keys" if keys else "grad_queries", n, q.shape[-1])
-        launch_within_card(_parallel_grad_kernel, q.device, settings, step_tiles("parallel"), {**meta, "KEYS": keys},
-                           launch)
+        launch_within_card(_parallel_grad_kernel, q.device, launch_settings(kernel, n, q.shape[-1]),
+                           step_tiles("parallel"), constexprs, launch)
     return dq, dk, dv, dmix

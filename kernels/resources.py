@@ -117,6 +117,8 @@ KERNELS = {
                                                      dict(grid=(1, 32, 32), SPLIT_HEADS=True)),
     "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False, grid=(1, 16, 16))),
     "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True, grid=(1, 16, 16))),
+    "parallel grad dq d72, heads 64 + 16": (parallel._parallel_grad_kernel, "parallel",
+                                            dict(KEYS=False, grid=(1, 16, 16), SPLIT_HEADS=True)),
 }
 
 
@@ -189,19 +191,18 @@ def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     """Arguments and settings of a quadratic-form row: `parallel._launch_args` and `parallel.launch_settings` for
     16 x 72 heads (DiT-XL/2, PixArt) over the grid the row names (bf16, normalized, relu, "auto" blocks), sizes
-    specialized as the JIT specializes them; the forward's head tiles as CONFIG["split_heads"] says unless the row
-    names them ("SPLIT_HEADS", not a kernel argument)."""
+    specialized as the JIT specializes them; the head tiles as CONFIG["split_heads"] says unless the row names them
+    ("SPLIT_HEADS", not a kernel argument)."""
     constexprs = dict(constexprs)
     grid = constexprs.pop("grid")
-    split = constexprs.pop("SPLIT_HEADS", parallel.CONFIG["split_heads"])
+    split = constexprs.pop("SPLIT_HEADS", None)
     blocks = resolve_blocks(grid, "auto")
     n, m = math.prod(grid), math.prod(blocks)
     q = torch.empty((1, n, 16, 72), dtype=torch.bfloat16, device="meta")
     sizes, meta = parallel._launch_args(q, q, torch.empty((m, m), device="meta"), grid, blocks, elu=False,
                                         normalize=True, strided=(q,))
     kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
-    if kernel == "forward":
-        meta.update(parallel.forward_head_tiles(q.shape[-1], q.shape[-1], split))
+    meta.update(parallel.head_tile_args(72, 72, kernel in parallel.CONFIG["split_heads"] if split is None else split))
     return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, parallel.launch_settings(kernel, n, q.shape[-1])
 
 

@@ -300,12 +300,13 @@ def mix_case():
 
 SIXTEEN = dict(own=16, walk=16, num_warps=4, num_stages=2)
 # parallel.CONFIG overrides: as shipped; every kernel on 16-token tiles (several blocks in one tile, one block over
-# several); the forward's long-sequence tiles (128 queries) at these short lengths; the forward's heads in two column
-# tiles (D = 72 as 64 + 16, Dv = 40 as 32 + 16), at both tilings of the forward
+# several); the forward's long-sequence tiles (128 queries) at these short lengths; every kernel's heads in two column
+# tiles (D = 72 as 64 + 16, Dv = 40 as 32 + 16), and the forward's so at its long tiles
+SPLIT_HEADS = ("forward", "grad_queries", "grad_keys")
 PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN,
                                               grad_keys_narrow=SIXTEEN),
-                    "long": dict(long_over=0), "split heads": dict(split_heads=True),
-                    "split heads, long": dict(split_heads=True, long_over=0)}
+                    "long": dict(long_over=0), "split heads": dict(split_heads=SPLIT_HEADS),
+                    "split heads, long": dict(split_heads=("forward",), long_over=0)}
 
 
 def parallel_case():
