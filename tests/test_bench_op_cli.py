@@ -1,5 +1,6 @@
 """`bench op` on a machine without a GPU: its peers' arithmetic, ratios, and the table it prints."""
 
+import copy
 import math
 
 import pytest
@@ -92,3 +93,55 @@ def test_check_prints_each_case_as_it_finishes(monkeypatch, capsys):
     assert lines[1] == (f"| {first[0]} | bfloat16 | {math.prod(first[4]):,} | 4 | {first[1]} x {first[2]}/{first[3]} | "
                         + " | ".join(["1.0e-03"] * 6) + " | - | yes |")  # a case without norms: no norms column
     assert lines[2].startswith(f"| {first[0]} | float32 |")
+
+
+def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypatch, capsys):
+    """`bench op --set`: the kernels' settings tables hold the values asked while the run checks and times (the
+    check case stood in for, as above, reads them where the launchers do), and what they held before once it ends,
+    also when it ends in an error."""
+    from mhla_diffusion.kernels import mhla, parallel
+    from mhla_diffusion.ops import check
+
+    before = copy.deepcopy((parallel.CONFIG, mhla.SHORT_CONFIG))
+    entry = parallel.CONFIG["forward_long"]  # held elsewhere, as launchers' callers may hold it
+    seen = []
+
+    def check_case(*args, **kwargs):
+        seen.append((parallel.CONFIG["split_heads"], parallel.CONFIG["forward_long"]["num_stages"],
+                     dict(mhla.SHORT_CONFIG.get("grad", {}))))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(check, "check_case", check_case)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["bench", "op", "--check", "--set", "parallel.CONFIG.split_heads=('forward', 'grad_queries')",
+              "parallel.CONFIG.forward_long.num_stages=4", "mhla.SHORT_CONFIG.grad.num_warps=8"])
+    assert seen == [(("forward", "grad_queries"), 4, {"num_warps": 8})]
+    assert (parallel.CONFIG, mhla.SHORT_CONFIG) == before and parallel.CONFIG["forward_long"] is entry
+    assert entry["num_stages"] == before[0]["forward_long"]["num_stages"]
+    from mhla_diffusion.kernels.overrides import describe
+
+    assert describe(["parallel.CONFIG.max_tokens=1024"]) == " (settings changed: parallel.CONFIG.max_tokens=1024)"
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("parallel.CONFIG.split_head=('forward',)", "parallel.CONFIG has no key 'split_head' (it has forward,"),
+    ("parallel.CONFIG.forward_long.stages=4", "parallel.CONFIG.forward_long has no key 'stages'"),
+    ("parallel.CONFIG.split_heads=forward", "'forward' is not a Python literal"),
+    ("parallel.CONFIG.split_heads=True", "holds a tuple (()), not a bool"),
+    ("parallel.CONFIG.max_tokens.own=64", "parallel.CONFIG.max_tokens holds a value, not keys"),
+    ("kernels.CONFIG.x=1", "expected TABLE.KEY=VALUE with TABLE one of mhla.CONFIG,"),
+    ("parallel.CONFIG.max_tokens", "expected TABLE.KEY=VALUE"),
+])
+@pytest.mark.parametrize("command", [["op"], ["model", "--family", "dit-xl-2"]])
+def test_set_refuses_what_no_table_holds_in_one_line(setting, message, command, capsys):
+    """A misspelt table or key, a value of another type or not a literal: one line saying which and what there is,
+    before anything runs (here, before the GPU is looked for), and no table changed."""
+    from mhla_diffusion.kernels import parallel
+
+    before = dict(parallel.CONFIG)
+    assert main(["bench", *command, "--set", "parallel.CONFIG.max_tokens=1024", setting]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "CUDA" not in err
+    assert dict(parallel.CONFIG) == before

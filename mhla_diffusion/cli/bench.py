@@ -19,13 +19,24 @@ from .profiling import kernel_profile
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure speed on this machine's GPU")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
-    register_op_command(commands)
-    register_model_command(commands)
+    settings = settings_option()
+    register_op_command(commands, settings)
+    register_model_command(commands, settings)
 
 
-def register_op_command(commands) -> None:
+def settings_option() -> argparse.ArgumentParser:
+    """The `--set` option every bench command takes (a parent parser)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--set", nargs="+", default=[], metavar="TABLE.KEY=VALUE",
+                        help="run with kernel launch settings changed, e.g. \"parallel.CONFIG.split_heads=('forward',)\" "
+                             "(a table of kernels/: mhla.CONFIG, mhla.SHORT_CONFIG, parallel.CONFIG, rms_norm.CONFIG, "
+                             "...; keys it has; a Python literal): a candidate timed and checked as shipped ones are")
+    return parent
+
+
+def register_op_command(commands, settings: argparse.ArgumentParser) -> None:
     op = commands.add_parser(
-        "op",
+        "op", parents=[settings],
         help="time MHLA (Triton) against cuDNN and FlashAttention-2 SDPA, global linear attention and the memory floor",
         description="Forward and forward+backward GPU times of the attention op and its peers, in one process: "
                     "CUDA-graph replay where capture works, eager otherwise.",
@@ -422,21 +433,25 @@ def _check_row(r: dict) -> str:
 
 
 def run_op(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        raise ValueError("bench op needs a CUDA GPU")
-    if args.shared_memory is None:
-        return _run_op(args, torch.cuda.get_device_name())
-    from ..kernels.fitting import card_with_shared_memory
+    from ..kernels.overrides import describe, overridden
 
-    with card_with_shared_memory(args.shared_memory):
-        return _run_op(args, f"{torch.cuda.get_device_name()} as a card of {args.shared_memory} bytes of shared memory")
+    with overridden(args.set):
+        if not torch.cuda.is_available():
+            raise ValueError("bench op needs a CUDA GPU")
+        device = torch.cuda.get_device_name() + describe(args.set)
+        if args.shared_memory is None:
+            return _run_op(args, device)
+        from ..kernels.fitting import card_with_shared_memory
+
+        with card_with_shared_memory(args.shared_memory):
+            return _run_op(args, f"{device} as a card of {args.shared_memory} bytes of shared memory")
 
 
 def _run_op(args: argparse.Namespace, device: str) -> int:
     from triton.testing import do_bench
 
     dtype = getattr(torch, args.dtype)
-    report = {"device": device, "dtype": args.dtype, "batch": args.batch}
+    report = {"device": device, "dtype": args.dtype, "batch": args.batch, "settings": args.set}
     if args.check:
         from ..ops.check import run_checks
 

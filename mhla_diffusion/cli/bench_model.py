@@ -76,11 +76,19 @@ def variant_processors(model, variant: str, original: dict) -> dict:
 
 
 def run_model(args) -> int:
+    from ..kernels.overrides import overridden
+
+    with overridden(args.set):
+        if not torch.cuda.is_available():
+            raise ValueError("bench model needs a CUDA GPU")
+        return _run_model(args)
+
+
+def _run_model(args) -> int:
     from ..conversion import attn_processors, set_attn_processor
+    from ..kernels.overrides import describe
     from ..zoo import build_transformer
 
-    if not torch.cuda.is_available():
-        raise ValueError("bench model needs a CUDA GPU")
     family, real = real_model(args.family)
     resolution = args.resolution or real.resolution
     frames = args.frames or real.frames
@@ -106,7 +114,8 @@ def run_model(args) -> int:
             rows.append(dict(family=args.family, resolution=resolution,
                              checkpoint=real.checkpoint(resolution), frames=frames if len(latent) == 4 else 1,
                              tokens=math.prod(latent_grid(model, latent)), attention=name, what=what, compile=args.compile,
-                             timing=TIMINGS[args.back_to_back], ms=round(ms, 2), peak_gb=round(gb, 2)))
+                             timing=TIMINGS[args.back_to_back], settings=args.set, ms=round(ms, 2),
+                             peak_gb=round(gb, 2)))
             print(f"  {name:12s} {what:20s} {ms:9.1f} ms  peak {gb:6.1f} GB", flush=True)
         fwd = None  # the compiled graphs go before the next variant is built
         torch.cuda.empty_cache()
@@ -119,7 +128,7 @@ def run_model(args) -> int:
         checkpoint = rows[0]["checkpoint"]
         print(f"\n{args.family} {resolution}" + (f" (the {resolution} checkpoint: {checkpoint})" if checkpoint else "")
               + f", latent {latent}, {rows[0]['tokens']} tokens, bf16, calls timed {rows[0]['timing']}, "
-              f"{torch.cuda.get_device_name()}, {time.perf_counter() - t0:.0f}s")
+              f"{torch.cuda.get_device_name()}{describe(args.set)}, {time.perf_counter() - t0:.0f}s")
         print("| attention | what | ms | speedup | peak GB |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['attention']}{_compiled(r['compile'])} | {r['what']} | {r['ms']} | {r['speedup']}x | {r['peak_gb']} |")
@@ -130,8 +139,9 @@ def _compiled(mode) -> str:
     return f" (compiled, {mode})" if mode else ""
 
 
-def register_model_command(commands) -> None:
-    p = commands.add_parser("model", help="real-size transformer: original attention vs MHLA, forward and CFG step",
+def register_model_command(commands, settings) -> None:
+    p = commands.add_parser("model", parents=[settings],
+                            help="real-size transformer: original attention vs MHLA, forward and CFG step",
                             description="Random weights in bf16 on the GPU; no download.")
     p.add_argument("--family", required=True, choices=real_model_names(), help="a published model's config")
     p.add_argument("--resolution", help="pixels: 256, 512, 1024, 4096 for images; 480p, 720p or HxW (704x1280) for "

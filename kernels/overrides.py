@@ -1,0 +1,76 @@
+"""Launch settings changed for one run (`bench op --set`, `bench model --set`): a candidate setting is timed and
+checked by the shipped commands, so a measurement in BENCHMARKS.md names a command anyone can run again.
+
+A setting is `TABLE.KEY[.KEY...]=VALUE`: TABLE one of the kernels' settings tables (`TABLES`), each KEY one the table
+already has at that depth (a misspelt key is refused, not added; the override tables of `mhla.CONFIG` take its keys
+too), and VALUE a Python literal: `parallel.CONFIG.split_heads=('forward',)`, `parallel.CONFIG.forward_long.num_stages=4`.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from typing import Iterator
+
+from . import mhla, parallel, rms_norm
+
+TABLES = {"mhla.CONFIG": mhla.CONFIG, "mhla.ROPE_CONFIG": mhla.ROPE_CONFIG, "mhla.SHORT_CONFIG": mhla.SHORT_CONFIG,
+          "mhla.SHORTEST_CONFIG": mhla.SHORTEST_CONFIG, "mhla.NORMS_CONFIG": mhla.NORMS_CONFIG,
+          "parallel.CONFIG": parallel.CONFIG, "rms_norm.CONFIG": rms_norm.CONFIG}
+# Tables that override another one's entries: a key of that one is theirs to set too.
+OVERRIDDEN = {"mhla.ROPE_CONFIG": mhla.CONFIG, "mhla.SHORT_CONFIG": mhla.CONFIG, "mhla.SHORTEST_CONFIG": mhla.CONFIG,
+              "mhla.NORMS_CONFIG": mhla.CONFIG}
+
+
+def parse(setting: str) -> tuple[str, tuple[str, ...], object]:
+    """(table name, keys, value) of one `TABLE.KEY[.KEY...]=VALUE`, checked against the tables as they are."""
+    path, sep, literal = setting.partition("=")
+    table = next((name for name in TABLES if path.startswith(name + ".")), None)
+    if not sep or table is None:
+        raise ValueError(f"--set {setting!r}: expected TABLE.KEY=VALUE with TABLE one of {', '.join(TABLES)}")
+    keys = tuple(path[len(table) + 1:].split("."))
+    try:
+        value = ast.literal_eval(literal)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--set {setting!r}: {literal!r} is not a Python literal (quote strings: 'forward')") from None
+    mine, reference = TABLES[table], OVERRIDDEN.get(table, {})
+    for depth, key in enumerate(keys):
+        known = set(mine) | set(reference)
+        if key not in known:
+            where = ".".join((table, *keys[:depth]))
+            raise ValueError(f"--set {setting!r}: {where} has no key {key!r} (it has {', '.join(sorted(known))})")
+        if depth < len(keys) - 1:
+            mine, reference = mine.get(key, {}), reference.get(key, {})
+            if not isinstance(mine, dict) or not isinstance(reference, dict):
+                raise ValueError(f"--set {setting!r}: {'.'.join((table, *keys[:depth + 1]))} holds a value, not keys")
+    was = mine.get(keys[-1], reference.get(keys[-1]))
+    if None not in (was, value) and type(was) is not type(value):  # a cap set to None, or None to a cap, is a value
+        raise ValueError(f"--set {setting!r}: {path} holds a {type(was).__name__} ({was!r}), "
+                         f"not a {type(value).__name__}")
+    return table, keys, value
+
+
+@contextlib.contextmanager
+def overridden(settings: list[str]) -> Iterator[None]:
+    """The `settings` in force, every table as it was afterwards. All are checked before any is applied; a nested
+    entry is changed in a copy put in its place, so the table's own entries (which other code may hold) never change
+    and are put back as they were."""
+    parsed = [parse(s) for s in settings]
+    saved = {name: dict(TABLES[name]) for name in {table for table, _, _ in parsed}}
+    try:
+        for table, keys, value in parsed:
+            entry = TABLES[table]
+            for key in keys[:-1]:
+                entry[key] = dict(entry.get(key, {}))
+                entry = entry[key]
+            entry[keys[-1]] = value
+        yield
+    finally:
+        for name, was in saved.items():
+            TABLES[name].clear()
+            TABLES[name].update(was)
+
+
+def describe(settings: list[str]) -> str:
+    """What a report's device line adds for a run with `settings` changed ("" for none)."""
+    return f" (settings changed: {'; '.join(settings)})" if settings else ""
