@@ -17,9 +17,22 @@ from . import mhla, parallel, rms_norm
 TABLES = {"mhla.CONFIG": mhla.CONFIG, "mhla.ROPE_CONFIG": mhla.ROPE_CONFIG, "mhla.SHORT_CONFIG": mhla.SHORT_CONFIG,
           "mhla.SHORTEST_CONFIG": mhla.SHORTEST_CONFIG, "mhla.NORMS_CONFIG": mhla.NORMS_CONFIG,
           "parallel.CONFIG": parallel.CONFIG, "rms_norm.CONFIG": rms_norm.CONFIG}
-# Tables that override another one's entries: a key of that one is theirs to set too.
-OVERRIDDEN = {"mhla.ROPE_CONFIG": mhla.CONFIG, "mhla.SHORT_CONFIG": mhla.CONFIG, "mhla.SHORTEST_CONFIG": mhla.CONFIG,
-              "mhla.NORMS_CONFIG": mhla.CONFIG}
+# Tables that override another one's entries for the token kernels (`mhla._config`): a key of those is theirs too.
+TOKEN_KERNELS = {kernel: mhla.CONFIG[kernel] for kernel in ("summary", "output", "grad")}
+OVERRIDDEN = dict.fromkeys(("mhla.ROPE_CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG", "mhla.NORMS_CONFIG"),
+                           TOKEN_KERNELS)
+# Settings whose value is a tuple of names, and the names each takes.
+NAMES = {("parallel.CONFIG", ("split_heads",)): parallel.SPLIT_KERNELS}
+
+
+def _keys_holding_none() -> set:
+    """Keys some table holds None for (a cap left to the compiler): None is a value there, and nowhere else."""
+    found, stack = set(), [*TABLES.values()]
+    while stack:
+        table = stack.pop()
+        found.update(key for key, value in table.items() if value is None)
+        stack.extend(value for value in table.values() if isinstance(value, dict))
+    return found
 
 
 def parse(setting: str) -> tuple[str, tuple[str, ...], object]:
@@ -44,9 +57,16 @@ def parse(setting: str) -> tuple[str, tuple[str, ...], object]:
             if not isinstance(mine, dict) or not isinstance(reference, dict):
                 raise ValueError(f"--set {setting!r}: {'.'.join((table, *keys[:depth + 1]))} holds a value, not keys")
     was = mine.get(keys[-1], reference.get(keys[-1]))
-    if None not in (was, value) and type(was) is not type(value):  # a cap set to None, or None to a cap, is a value
-        raise ValueError(f"--set {setting!r}: {path} holds a {type(was).__name__} ({was!r}), "
-                         f"not a {type(value).__name__}")
+    if isinstance(was, dict) or isinstance(value, dict):
+        raise ValueError(f"--set {setting!r}: {path} holds keys; set one of them ({path}.KEY=VALUE)")
+    if value is None and keys[-1] not in _keys_holding_none():
+        raise ValueError(f"--set {setting!r}: {path} takes no None (it holds {was!r})")
+    if None not in (was, value) and type(was) is not type(value):
+        raise ValueError(f"--set {setting!r}: {path} holds {was!r} ({type(was).__name__}), not {value!r} "
+                         f"({type(value).__name__})")
+    names = NAMES.get((table, keys))
+    if names is not None and not set(value) <= set(names):
+        raise ValueError(f"--set {setting!r}: {path} names kernels of {names}, not {sorted(set(value) - set(names))}")
     return table, keys, value
 
 

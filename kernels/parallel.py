@@ -58,6 +58,7 @@ from .sizes import cdiv, head_tiles, pow2
 # units of a 64x64x16 wgmma per key tile, shared memory 139 -> 88 KB (an RTX 4090 takes it as tuned), registers 210 ->
 # 202; dq at 256 tokens 173 -> 138 registers, 86 -> 55 KB; the key kernel spilled more (stack 128 -> 816 bytes). None
 # until timed on a GPU (exact in the interpreter: kernels_interp.py, "parallel form").
+SPLIT_KERNELS = ("forward", "grad_queries", "grad_keys")  # what CONFIG["split_heads"] may name
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),

@@ -97,18 +97,18 @@ def test_check_prints_each_case_as_it_finishes(monkeypatch, capsys):
 
 def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypatch, capsys):
     """`bench op --set`: the kernels' settings tables hold the values asked while the run checks and times (the
-    check case stood in for, as above, reads them where the launchers do), and what they held before once it ends,
-    also when it ends in an error."""
+    check case stood in for, as above, reads them where the launchers do; a second `--set` adds to the first), and
+    what they held before once it ends, also when it ends in an error."""
     from mhla_diffusion.kernels import mhla, parallel
     from mhla_diffusion.ops import check
 
-    before = copy.deepcopy((parallel.CONFIG, mhla.SHORT_CONFIG))
+    before = copy.deepcopy((parallel.CONFIG, mhla.SHORT_CONFIG, mhla.CONFIG))
     entry = parallel.CONFIG["forward_long"]  # held elsewhere, as launchers' callers may hold it
     seen = []
 
     def check_case(*args, **kwargs):
         seen.append((parallel.CONFIG["split_heads"], parallel.CONFIG["forward_long"]["num_stages"],
-                     dict(mhla.SHORT_CONFIG.get("grad", {}))))
+                     dict(mhla.SHORT_CONFIG.get("grad", {})), mhla.CONFIG["summary"]["maxnreg"]))
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(check, "check_case", check_case)
@@ -116,9 +116,9 @@ def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypat
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
     with pytest.raises(RuntimeError, match="stop here"):
         main(["bench", "op", "--check", "--set", "parallel.CONFIG.split_heads=('forward', 'grad_queries')",
-              "parallel.CONFIG.forward_long.num_stages=4", "mhla.SHORT_CONFIG.grad.num_warps=8"])
-    assert seen == [(("forward", "grad_queries"), 4, {"num_warps": 8})]
-    assert (parallel.CONFIG, mhla.SHORT_CONFIG) == before and parallel.CONFIG["forward_long"] is entry
+              "parallel.CONFIG.forward_long.num_stages=4", "--set", "mhla.SHORT_CONFIG.grad.num_warps=8", "mhla.CONFIG.summary.maxnreg=None"])
+    assert seen == [(("forward", "grad_queries"), 4, {"num_warps": 8}, None)]  # None: a register cap lifted
+    assert (parallel.CONFIG, mhla.SHORT_CONFIG, mhla.CONFIG) == before and parallel.CONFIG["forward_long"] is entry
     assert entry["num_stages"] == before[0]["forward_long"]["num_stages"]
     from mhla_diffusion.kernels.overrides import describe
 
@@ -129,7 +129,11 @@ def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypat
     ("parallel.CONFIG.split_head=('forward',)", "parallel.CONFIG has no key 'split_head' (it has forward,"),
     ("parallel.CONFIG.forward_long.stages=4", "parallel.CONFIG.forward_long has no key 'stages'"),
     ("parallel.CONFIG.split_heads=forward", "'forward' is not a Python literal"),
-    ("parallel.CONFIG.split_heads=True", "holds a tuple (()), not a bool"),
+    ("parallel.CONFIG.split_heads=True", "parallel.CONFIG.split_heads holds () (tuple), not True (bool)"),
+    ("parallel.CONFIG.split_heads=('fwd',)", "names kernels of ('forward', 'grad_queries', 'grad_keys'), not ['fwd']"),
+    ("parallel.CONFIG.max_tokens=None", "parallel.CONFIG.max_tokens takes no None (it holds 576)"),
+    ("parallel.CONFIG.forward={}", "parallel.CONFIG.forward holds keys; set one of them"),
+    ("mhla.SHORT_CONFIG.mix.programs=4", "mhla.SHORT_CONFIG has no key 'mix' (it has grad, output, summary)"),
     ("parallel.CONFIG.max_tokens.own=64", "parallel.CONFIG.max_tokens holds a value, not keys"),
     ("kernels.CONFIG.x=1", "expected TABLE.KEY=VALUE with TABLE one of mhla.CONFIG,"),
     ("parallel.CONFIG.max_tokens", "expected TABLE.KEY=VALUE"),

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
 def settings_option() -> argparse.ArgumentParser:
     """The `--set` option every bench command takes (a parent parser)."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--set", nargs="+", default=[], metavar="TABLE.KEY=VALUE",
+    parent.add_argument("--set", nargs="+", action="extend", default=[], metavar="TABLE.KEY=VALUE",
                         help="run with kernel launch settings changed, e.g. \"parallel.CONFIG.split_heads=('forward',)\" "
                              "(a table of kernels/: mhla.CONFIG, mhla.SHORT_CONFIG, parallel.CONFIG, rms_norm.CONFIG, "
                              "...; keys it has; a Python literal): a candidate timed and checked as shipped ones are")
