@@ -106,19 +106,22 @@ KERNELS = {
     # blocks with mix as the model holds it (fp32, unpadded) and z mixed in the same launch
     "mix bf16": (mhla._mix_kernel, "mix", dict(M=MIX_BLOCKS)),
     "mix bf16 z folded": (mhla._mix_kernel, "mix", dict(M=30, WITH_Z=True)),
-    # the quadratic form (`parallel.CONFIG`) for 16 x 72 heads: DiT-XL/2 256 px (256 tokens, 16 blocks), and the
-    # forward over 256 tokens (24 x 24 tokens, 16 blocks); fp32 mix
-    "parallel fwd d72": (parallel._parallel_kernel, "parallel", dict(grid=(1, 16, 16))),
-    "parallel fwd d72, 576 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 24, 24))),
-    # DiT-XL/2 512 px (eager calls take the quadratic form there), its heads in one 128-wide column tile and in 64 + 16
-    # (`parallel.CONFIG["split_heads"]`)
+    # the quadratic form (`parallel.CONFIG`) for 16 x 72 heads: DiT-XL/2 256 px (256 tokens, 16 blocks), the
+    # forward over 256 tokens (24 x 24 tokens, 16 blocks) and at DiT-XL/2 512 px (eager calls take it there); fp32
+    # mix; heads in one 128-wide column tile, and in 64 + 16 where the name says (`parallel.CONFIG["split_heads"]`)
+    "parallel fwd d72": (parallel._parallel_kernel, "parallel", dict(grid=(1, 16, 16), SPLIT_HEADS=False)),
+    "parallel fwd d72, 576 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 24, 24), SPLIT_HEADS=False)),
     "parallel fwd d72, 1024 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 32, 32), SPLIT_HEADS=False)),
     "parallel fwd d72, 1024 tokens, heads 64 + 16": (parallel._parallel_kernel, "parallel",
                                                      dict(grid=(1, 32, 32), SPLIT_HEADS=True)),
-    "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False, grid=(1, 16, 16))),
-    "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True, grid=(1, 16, 16))),
+    "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel",
+                             dict(KEYS=False, grid=(1, 16, 16), SPLIT_HEADS=False)),
+    "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel",
+                                     dict(KEYS=True, grid=(1, 16, 16), SPLIT_HEADS=False)),
     "parallel grad dq d72, heads 64 + 16": (parallel._parallel_grad_kernel, "parallel",
                                             dict(KEYS=False, grid=(1, 16, 16), SPLIT_HEADS=True)),
+    "parallel grad dk dv dmix d72, heads 64 + 16": (parallel._parallel_grad_kernel, "parallel",
+                                                    dict(KEYS=True, grid=(1, 16, 16), SPLIT_HEADS=True)),
 }
 
 
@@ -191,8 +194,8 @@ def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     """Arguments and settings of a quadratic-form row: `parallel._launch_args` and `parallel.launch_settings` for
     16 x 72 heads (DiT-XL/2, PixArt) over the grid the row names (bf16, normalized, relu, "auto" blocks), sizes
-    specialized as the JIT specializes them; the head tiles as CONFIG["split_heads"] says unless the row names them
-    ("SPLIT_HEADS", not a kernel argument)."""
+    specialized as the JIT specializes them; the head tiles as the row names them ("SPLIT_HEADS", not a kernel
+    argument), else as CONFIG["split_heads"] says."""
     constexprs = dict(constexprs)
     grid = constexprs.pop("grid")
     split = constexprs.pop("SPLIT_HEADS", None)

@@ -301,23 +301,26 @@ def mix_case():
 SIXTEEN = dict(own=16, walk=16, num_warps=4, num_stages=2)
 # parallel.CONFIG overrides: as shipped; every kernel on 16-token tiles (several blocks in one tile, one block over
 # several); the forward's long-sequence tiles (128 queries) at these short lengths; every kernel's heads in two column
-# tiles (D = 72 as 64 + 16, Dv = 40 as 32 + 16), and the forward's so at its long tiles
-SPLIT_HEADS = ("forward", "grad_queries", "grad_keys")
+# tiles (D = 72 as 64 + 16, Dv = 40 as 32 + 16), the forward's so at its long tiles, and dq's alone (the dk kernel
+# beside it on one tile: the candidate, kernels/NOTES.md session 43)
 PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN,
                                               grad_keys_narrow=SIXTEEN),
-                    "long": dict(long_over=0), "split heads": dict(split_heads=SPLIT_HEADS),
-                    "split heads, long": dict(split_heads=("forward",), long_over=0)}
+                    "long": dict(long_over=0), "split heads": dict(split_heads=parallel.SPLIT_KERNELS),
+                    "split heads, long": dict(split_heads=("forward",), long_over=0),
+                    "split dq": dict(split_heads=("grad_queries",))}
 
 
 def parallel_case():
     """The quadratic form (`op.mhla_parallel`: `parallel.py`; the op takes it for bf16 at short lengths, whose
     products the interpreter computes unreliably) in fp32, o and the q, k, v, mix gradients against the dense fp64
     formula: ragged blocks over three axes, N no multiple of the tiles, D = 72 (DiT's), Dv != D, strided (fused-qkv)
-    q and k, B = 2, both feature maps, with and without the normalizer, and the tilings of PARALLEL_TILINGS."""
+    q and k, B = 2, both feature maps, with and without the normalizer, and the tilings of PARALLEL_TILINGS (relu:
+    as shipped and with every kernel's heads split; D = 72 beside Dv = 64: D split, Dv whole)."""
     gen = torch.Generator().manual_seed(5)
     errors = {}
     cases = {"DiT-like D=72, 5x6 blocks": ((1, 12, 14), (1, 5, 6), 72, 72),
-             "ragged 3-axis blocks, Dv != D": ((3, 5, 7), (2, 2, 3), 16, 40)}
+             "ragged 3-axis blocks, Dv != D": ((3, 5, 7), (2, 2, 3), 16, 40),
+             "D=72 Dv=64": ((1, 6, 7), (1, 2, 3), 72, 64)}
     for name, (grid, blocks, d, dv) in cases.items():
         n, m = math.prod(grid), math.prod(blocks)
         qk = torch.randn(2, n, 2, 3, d, generator=gen).unbind(2)  # q, k as strided views of one projection
@@ -329,7 +332,7 @@ def parallel_case():
                 ref_leaves = [t.double().requires_grad_() for t in (*qk, v, mix)]
                 ref = dense_mhla(*ref_leaves, grid, blocks, normalize=normalize, feature=feature)
                 ref.backward(do.double())
-                for tiles in PARALLEL_TILINGS if feature == "elu" else ("shipped",):
+                for tiles in PARALLEL_TILINGS if feature == "elu" else ("shipped", "split heads"):
                     leaves = [t.detach().requires_grad_() for t in (*qk, v, mix)]
                     with overriding(parallel.CONFIG, **PARALLEL_TILINGS[tiles]):
                         out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], normalize, 1e-6, feature)

@@ -123,6 +123,25 @@ def test_repeated_launches_go_to_the_compiled_kernel_and_new_specializations_to_
     assert launches[-1][0] == "jit"
 
 
+def test_head_tiles_cover_a_head_in_one_or_two_tensor_core_tiles_with_the_least_padding():
+    """`sizes.head_tiles` (the quadratic form's split heads): every head of 1 to 256 features is covered by a power of
+    two of at least 16 columns, or by two such tiles where they pad fewer columns than one, the first wholly inside the
+    head (its columns all real); DiT's and PixArt's 72 as 64 + 16."""
+    from mhla_diffusion.kernels.sizes import head_tiles, pow2
+
+    for d in range(1, 257):
+        main, tail = head_tiles(d)
+        whole = max(16, pow2(d))
+        assert main >= 16 and pow2(main) == main and (tail == 0 or (tail >= 16 and pow2(tail) == tail)), d
+        if tail:
+            assert main < d <= main + tail < whole, d
+        else:
+            assert main == whole, d
+            assert all(m + max(16, pow2(d - m)) >= whole for m in (16, 32, 64, 128) if m < d), d
+    assert [head_tiles(d) for d in (72, 40, 96, 112, 128, 32)] == [(64, 16), (32, 16), (64, 32), (128, 0), (128, 0),
+                                                                   (32, 0)]
+
+
 def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 12, 2, 8)
