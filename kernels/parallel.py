@@ -332,7 +332,9 @@ def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool, strided):
 def head_tile_args(d: int, dv: int, split: bool) -> dict:
     """The column tiles of q, k (D) and v (DV): with `split` (the kernel is in CONFIG["split_heads"]), two per head
     where that pads less (`sizes.head_tiles`: 72 as 64 + 16); otherwise one power of two of at least 16."""
-    (block_d, tail_d), (block_dv, tail_dv) = (head_tiles(x) if split else (max(16, pow2(x)), 0) for x in (d, dv))
+    if not split:
+        return dict(BLOCK_D=max(16, pow2(d)), TAIL_D=0, BLOCK_DV=max(16, pow2(dv)), TAIL_DV=0)
+    (block_d, tail_d), (block_dv, tail_dv) = head_tiles(d), head_tiles(dv)
     return dict(BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_DV=block_dv, TAIL_DV=tail_dv)
 
 

@@ -25,6 +25,7 @@ def eager_cache(maxsize: int):
         def call(*args):
             return fn(*args) if torch.compiler.is_compiling() else cached(*args)
 
+        call.cache_clear = cached.cache_clear
         return call
 
     return wrap

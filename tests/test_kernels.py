@@ -197,22 +197,29 @@ def test_triton_refuses_gpus_older_than_ampere_and_amd_and_auto_takes_the_refere
                                                                                     monkeypatch):
     """CUDA tensors on a GPU older than Ampere (compute capability 8.0, Triton's own floor), or on an AMD GPU under a
     ROCm build of torch (device type "cuda" too; the kernels were never run there): asked for by name the Triton
-    backend says why in one line; "auto" takes the reference. An Ampere card passes the device check. (No GPU here:
-    the card's properties are what torch.cuda.get_device_properties answers on one.)"""
+    backend says why in one line; "auto" takes the reference. An Ampere card passes the device check. The card's
+    properties are read once a device, not at every call. (No GPU here: the card's properties are what
+    torch.cuda.get_device_properties answers on one.)"""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.version, "hip", hip)
     properties = types.SimpleNamespace(name=card, major=capability[0], minor=capability[1])
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    reads = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: reads.append(device) or properties)
+    dispatch._card_refusal.cache_clear()  # this process's card is the one each case stands in
     q = types.SimpleNamespace(device=torch.device("cuda", 0))  # a CUDA tensor as the device check reads it
     geometry, options = block_geometry((1, 3, 4), (1, 2, 2)), MHLAOptions()
     if capability >= (8, 0) and hip is None:
         assert dispatch._triton_device(q, q, q, geometry, options) is None
+        assert dispatch._triton_device(q, q, q, geometry, options) is None and len(reads) == 1
+        dispatch._card_refusal.cache_clear()
         return
     rocm = "this is a ROCm build of PyTorch; the Triton kernels are built and checked for NVIDIA GPUs only"
     match = rocm if hip else f"{card} has compute capability {capability[0]}.{capability[1]}; the Triton kernels need 8.0"
     with pytest.raises(ValueError, match=f"backend='triton' cannot run this call: {match}.*backend='auto'"):
         dispatch.choose("triton", q, q, q, geometry, options)
     assert dispatch.choose("auto", q, q, q, geometry, options) is dispatch.BACKENDS["torch"]
+    assert len(reads) == (0 if hip else 1)
+    dispatch._card_refusal.cache_clear()
 
 
 @pytest.mark.parametrize("what", list(REFUSALS))

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..blocks import BlockGeometry
+from ..blocks import BlockGeometry, eager_cache
 from ..kernels import capabilities as triton_caps
 from .context_parallel import mhla_sharded, mhla_sharded_triton
 from .naive import mhla_blocked
@@ -78,7 +78,15 @@ def _triton_device(q, k, v, geometry, options):
         return f"tensors are on {q.device.type}; the Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
     if torch.version.hip is not None:
         return "this is a ROCm build of PyTorch; the Triton kernels are built and checked for NVIDIA GPUs only"
-    card = torch.cuda.get_device_properties(q.device)  # torch.compile folds it to a constant
+    return _card_refusal(q.device)
+
+
+@eager_cache(maxsize=16)
+def _card_refusal(device: torch.device) -> Optional[str]:
+    """Why the card at `device` cannot run the kernels, or None. Read once a device in eager calls: a card's
+    properties do not change, and reading them took 31 of an eager DiT layer's 626 us of host time (GPU host,
+    cProfile, session 42); torch.compile traces the read and folds it to a constant."""
+    card = torch.cuda.get_device_properties(device)
     if (card.major, card.minor) < triton_caps.MIN_CAPABILITY:
         major, minor = triton_caps.MIN_CAPABILITY
         return (f"{card.name} has compute capability {card.major}.{card.minor}; the Triton kernels need "
