@@ -322,11 +322,11 @@ def _launch_args(q, v, mix, grid, blocks, elu: bool, normalize: bool, strided):
     multiplies, not divisions (a kernel per resolution; this path serves short sequences of few resolutions). The
     tensors may be meta tensors: only their shapes, strides and q's type are read. Each launch adds its head tiles
     (`head_tile_args`)."""
-    d, dv, m = q.shape[-1], v.shape[-1], mix.shape[0]
+    (t, h, w), (bt, bh, bw), m = grid, blocks, mix.shape[0]
     dot, precision = _dot_types(q.dtype)
-    return (q.shape[2], m), dict(zip(("T", "H", "W", "NBT", "NBH", "NBW"), (*grid, *blocks)), D=d, DV=dv,
-                                 HEAD_ALIGN=head_align(*strided), BLOCK_B=max(16, pow2(m)), ELU=elu,
-                                 NORMALIZE=normalize, DOT=dot, PRECISION=precision)
+    return (q.shape[2], m), {"T": t, "H": h, "W": w, "NBT": bt, "NBH": bh, "NBW": bw, "D": q.shape[-1],
+                             "DV": v.shape[-1], "HEAD_ALIGN": head_align(*strided), "BLOCK_B": max(16, pow2(m)),
+                             "ELU": elu, "NORMALIZE": normalize, "DOT": dot, "PRECISION": precision}
 
 
 def head_tile_args(d: int, dv: int, split: bool) -> dict:

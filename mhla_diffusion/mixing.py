@@ -73,13 +73,16 @@ class MixingMatrices(nn.Module):
         are the same tensor at the same version (an optimizer step, `load_state_dict` or `.to()` each make a new
         one): resampling costs two interpolation kernels a layer, 13 us against the op's 22 at DiT-XL/2 512 px (H100,
         session 40). Inside torch.compile the graph computes it, as a traced cache would be guarded on every call."""
-        if (torch.is_grad_enabled() and self.logits.requires_grad) or torch.compiler.is_compiling():
+        logits = self.logits  # once: each attribute read of a parameter goes through nn.Module.__getattr__
+        if (torch.is_grad_enabled() and logits.requires_grad) or torch.compiler.is_compiling():
             return self._matrix(blocks)
-        source = (as_blocks(blocks), self.logits.data_ptr(), self.logits._version, self.logits.dtype,
-                  self.logits.device, torch.is_inference_mode_enabled())
-        if self._reused is None or self._reused[0] != source:
-            self._reused = (source, self._matrix(blocks))
-        return self._reused[1]
+        # `blocks` as the caller spelled it (a grid spelled another way recomputes, as it should give the same matrix)
+        source = (blocks, logits.data_ptr(), logits._version, logits.dtype, logits.device,
+                  torch.is_inference_mode_enabled())
+        reused = self._reused
+        if reused is None or reused[0] != source:
+            self._reused = reused = (source, self._matrix(blocks))
+        return reused[1]
 
     def _matrix(self, blocks) -> torch.Tensor:
         return resample_logits(self.logits.float(), self.mix_blocks, blocks).softmax(dim=-1)
