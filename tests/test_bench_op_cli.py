@@ -33,8 +33,21 @@ def test_ratios_and_table():
     assert row["used_vs_mhla_fwdbwd"] == pytest.approx(1.5) and row["mhla_vs_cudnn_fwdbwd"] == pytest.approx(0.5)
     table = bench._table([row], "GPU", 4e12, "bfloat16", 1)
     fwd, fwdbwd = (line for line in table.splitlines() if line.startswith("| s |"))
-    assert fwd.split(" | ")[5:] == ["0.200", "0.300", "0.050", "0.100", "0.110", "0.200", "0.50x", "2.00x", "1.10x |"]
+    assert fwd.split(" | ")[5:] == ["0.200", "0.300", "0.0500", "0.100", "0.110", "0.200", "0.50x", "2.00x", "1.10x |"]
     assert "0.800*" in fwdbwd and "1.50x" in fwdbwd  # eager-timed (profiler GPU time) cells are starred
+
+
+def test_short_times_keep_three_significant_digits():
+    """DiT's shapes take 8-30 us: three decimals of a millisecond would print 0.008 and 0.009 for 8.4 and 8.6 us."""
+    t = lambda ms: {"ms": ms, "how": "graph", "eager_ms": 2 * ms, "queued_ms": ms}  # noqa: E731
+    row = _row({"cudnn": {"fwd": t(0.01936), "fwdbwd": t(0.0752)}, "mhla": {"fwd": t(0.00843), "fwdbwd": t(1.6734)}})
+    row["floor_fwd_ms"] = 0.00262
+    row.update(bench.ratios(row))
+    fwd, fwdbwd = (line for line in bench._table([row], "GPU", 4e12, "bfloat16", 1).splitlines()
+                   if line.startswith("| s |"))
+    assert fwd.split(" | ")[4:8] == ["0.00262", "0.0194", "0.00843", "0.0169"]
+    assert fwdbwd.split(" | ")[5:8] == ["0.0752", "1.673", "3.347"]
+    assert "mhla fwd 0.00843 (queued 0.00843, eager 0.0169)" in bench._progress(row)
 
 
 def test_missing_impls_give_nan_ratios_and_dashes():

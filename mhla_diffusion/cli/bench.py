@@ -368,7 +368,7 @@ def _shard_table(rows: list[dict], device: str, dtype: str, batch: int) -> str:
                     continue
                 whole = next(x for x in same if x["P"] == 1)["times"][name][key]["ms"]
                 slowest = max(x["times"][name][key]["ms"] for x in same if x["P"] == r["P"])
-                cells.append(f"{slowest:.3f} ({whole / r['P'] / slowest:.2f})")
+                cells.append(f"{_ms(slowest)} ({whole / r['P'] / slowest:.2f})")
             lines.append(f"| {r['shape']} | {r['P']} | slowest | | | | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -376,7 +376,15 @@ def _shard_table(rows: list[dict], device: str, dtype: str, batch: int) -> str:
 def _cell(t: dict | None) -> str:
     if not t or math.isnan(t.get("ms", math.nan)):
         return "-" if not t else "fail"
-    return f"{t['ms']:.3f}" + ("" if t["how"] == "graph" else "*")
+    return _ms(t["ms"]) + ("" if t["how"] == "graph" else "*")
+
+
+def _ms(x: float) -> str:
+    """Milliseconds to three decimals, or to three significant digits where those need more: DiT's shapes take
+    8-30 us, which three decimals would print as 0.008 for 8.4 and 8.6 alike."""
+    if not 0 < x < 0.1:  # NaN too
+        return f"{x:.3f}"
+    return f"{x:.{2 - math.floor(math.log10(x))}f}"
 
 
 def _ratio(x: float) -> str:
@@ -399,11 +407,11 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
         lines += ["", f"{what}:", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for r in rows:
             blocks = f"{'x'.join(map(str, r['blocks']))} ({r['M']}, {r['blocks_chosen']})"
-            cells = [r["shape"], f"{r['N']:,}", f"{r['heads']} x {r['D']}", blocks, f"{r[f'floor_{key}_ms']:.3f}"]
+            cells = [r["shape"], f"{r['N']:,}", f"{r['heads']} x {r['D']}", blocks, _ms(r[f"floor_{key}_ms"])]
             cells += [_cell(r["times"].get(n, {}).get(key)) for n in names]
             if "mhla" in names:
                 eager = r["times"].get("mhla", {}).get(key, {}).get("eager_ms", math.nan)
-                cells += [f"{eager:.3f}"] + [_ratio(r[f"{x}_{key}"]) for x in ("mhla_vs_cudnn", "mhla_vs_linear",
+                cells += [_ms(eager)] + [_ratio(r[f"{x}_{key}"]) for x in ("mhla_vs_cudnn", "mhla_vs_linear",
                                                                               "used_vs_mhla")]
             lines.append("| " + " | ".join(cells) + " |")
     errors = [f"{r['shape']} {n} {key}: {t['error']}" for r in rows for n, ts in r["times"].items()
@@ -414,7 +422,7 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
 
 
 def _progress(row: dict) -> str:
-    cells = [f"{n} {key} {_cell(t)} (queued {t.get('queued_ms', math.nan):.3f}, eager {t.get('eager_ms', math.nan):.3f})"
+    cells = [f"{n} {key} {_cell(t)} (queued {_ms(t.get('queued_ms', math.nan))}, eager {_ms(t.get('eager_ms', math.nan))})"
              for n, ts in row["times"].items() for key, t in ts.items()]
     where = f", P = {row['P']}, rank {row['rank']}" if "P" in row else ""
     return f"[{row['shape']}{where}] " + ", ".join(cells)
