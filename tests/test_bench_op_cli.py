@@ -80,6 +80,31 @@ def test_shard_table_gives_each_p_its_slowest_rank_and_scaling():
     assert bench._progress(rows[1]).startswith("[s, P = 2, rank 0] mhla fwd 0.500 ")
 
 
+def test_check_takes_the_cases_a_setting_touches(monkeypatch, capsys):
+    """`--check dit-xl-256 dit-xl-384` checks only the cases whose names hold one of those (the quadratic form's: a
+    `--set` of its kernels needs no 5 minutes of long-sequence cases); a name no case holds is refused in one line."""
+    from mhla_diffusion.ops import check
+
+    done = []
+    monkeypatch.setattr(check, "check_case", lambda name, *a: done.append(name) or {
+        "case": name, "dtype": str(a[-1]).replace("torch.", ""), "N": 1, "M": 1, "heads": 1, "D": 1, "Dv": 1,
+        "errors": {}, "worst": 0.0, "ok": True})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "_copy_bandwidth", lambda do_bench: 1e12)
+    monkeypatch.setattr(bench, "bench_shape", lambda *a: pytest.fail("timed before the check finished") if not done
+                        else _row({}))
+    assert main(["bench", "op", "--check", "dit-xl-256", "dit-xl-384", "--shapes", "DiT-XL/2 256px"]) == 0
+    quadratic = ["dit-xl-256", "dit-xl-384 elu", "dit-xl-256, 64 blocks", "dit-xl-384, 36 blocks"]
+    assert sorted(set(done)) == sorted(quadratic) and len(done) == 2 * len(quadratic)
+    capsys.readouterr()
+    done.clear()
+    assert main(["bench", "op", "--check", "dit-xl-2048"]) == 2
+    err = capsys.readouterr().err
+    assert "no check case's name holds 'dit-xl-2048'" in err and "dit-xl-256" in err and not done
+
+
 def test_check_prints_each_case_as_it_finishes(monkeypatch, capsys):
     """`bench op --check` streams one row per case, so a run cut short (here: the third case fails) still shows
     the cases it checked; the kernels themselves are checked on a GPU, so check_case is stood in for here."""

@@ -46,7 +46,9 @@ def register_op_command(commands, settings: argparse.ArgumentParser) -> None:
     op.add_argument("--impls", nargs="+", choices=list(IMPLS), help="subset of implementations (default: all)")
     op.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     op.add_argument("--batch", type=int, default=1)
-    op.add_argument("--check", action="store_true", help="first check Triton against the fp64 reference at real sizes")
+    op.add_argument("--check", nargs="*", metavar="CASE",
+                    help="first check Triton against the fp64 reference at real sizes: every case, or those whose "
+                         "names hold a CASE (dit-xl-256 dit-xl-384: the quadratic form's)")
     op.add_argument("--profile", action="store_true", help="also print where the Triton call's time goes (torch.profiler)")
     op.add_argument("--shard", nargs="+", type=int, metavar="P",
                     help="instead of the peers, time MHLA on each rank's token slice of the sequence split over P "
@@ -443,6 +445,10 @@ def _check_row(r: dict) -> str:
 def run_op(args: argparse.Namespace) -> int:
     from ..kernels.overrides import describe, overridden
 
+    if args.check:  # a case name no case holds: refused before any setting or GPU is touched
+        from ..ops.check import selected_cases
+
+        selected_cases(args.check)
     with overridden(args.set):
         if not torch.cuda.is_available():
             raise ValueError("bench op needs a CUDA GPU")
@@ -460,12 +466,13 @@ def _run_op(args: argparse.Namespace, device: str) -> int:
 
     dtype = getattr(torch, args.dtype)
     report = {"device": device, "dtype": args.dtype, "batch": args.batch, "settings": args.set}
-    if args.check:
+    if args.check is not None:
         from ..ops.check import run_checks
 
         if not args.json:  # each case's row as it finishes: a run cut short still says what it checked
             print("\n".join(CHECK_HEADER), flush=True)
-        report["check"] = run_checks(on_result=None if args.json else lambda r: print(_check_row(r), flush=True))
+        report["check"] = run_checks(on_result=None if args.json else lambda r: print(_check_row(r), flush=True),
+                                     names=args.check)
         if not args.json:
             print(flush=True)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]

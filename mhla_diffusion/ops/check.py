@@ -172,12 +172,22 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
             "Dv": dv, "errors": errors, "worst": worst, "ok": worst < TOLERANCE[dtype]}
 
 
-def run_checks(dtypes=(torch.bfloat16, torch.float32), on_result=None) -> list[dict]:
-    """Every case in every dtype (minutes at real sizes: a progress bar on stderr), each result handed to
-    `on_result` as it is made."""
+def selected_cases(names=()) -> list[tuple]:
+    """The cases whose names hold one of `names`, every case for none: a launch setting of the quadratic form's
+    kernels is checked by its cases ("dit-xl-256", "dit-xl-384") in seconds, not by all of them in minutes."""
+    for name in names:
+        if not any(name in case[0] for case in CASES):
+            raise ValueError(f"no check case's name holds {name!r}; the cases: {', '.join(c[0] for c in CASES)}")
+    return [case for case in CASES if not names or any(name in case[0] for name in names)]
+
+
+def run_checks(dtypes=(torch.bfloat16, torch.float32), on_result=None, names=()) -> list[dict]:
+    """The cases `selected_cases(names)` in every dtype (minutes at real sizes: a progress bar on stderr), each
+    result handed to `on_result` as it is made."""
+    cases = selected_cases(names)
     torch.manual_seed(0)
     results = []
-    for case, dtype in tqdm([(c, dt) for c in CASES for dt in dtypes], desc="bench op --check", unit="case"):
+    for case, dtype in tqdm([(c, dt) for c in cases for dt in dtypes], desc="bench op --check", unit="case"):
         results.append(check_case(*case, dtype))
         if on_result is not None:
             on_result(results[-1])
