@@ -105,6 +105,54 @@ def test_check_takes_the_cases_a_setting_touches(monkeypatch, capsys):
     assert "no check case's name holds 'dit-xl-2048'" in err and "dit-xl-256" in err and not done
 
 
+def test_versus_times_each_candidate_in_turn_on_top_of_the_settings_in_force(monkeypatch, capsys):
+    """`--versus A B --rounds 2`: every round times the settings in force (here with --set), then A, then B, each
+    forward then forward+backward, on one shape's inputs; the tables are as they were afterwards. GPU time is
+    stood in for (the kernels are timed on a GPU): a function of the settings in force at each timing."""
+    from mhla_diffusion.blocks import block_geometry
+    from mhla_diffusion.kernels import parallel
+
+    def cpu_inputs(shape, dtype, batch):
+        geometry = block_geometry(shape.grid, shape.blocks)
+        q, k, v, do = (torch.randn(batch, geometry.num_tokens, shape.heads, shape.d) for _ in range(4))
+        return geometry, (q, k, v, do), torch.eye(geometry.num_blocks), None
+
+    seen = []
+
+    def time_op(do_bench, fn, leaves, do, backward):
+        c = parallel.CONFIG
+        seen.append((c["max_tokens"], c["split_heads"], c["long_over"], backward))
+        return {576: 0.0100, 256: 0.0050, 1024: 0.0200}[c["max_tokens"]] * (1 + 3 * backward) + 1e-4 * len(seen)
+
+    shipped = copy.deepcopy(parallel.CONFIG)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "shape_inputs", cpu_inputs)
+    monkeypatch.setattr(bench, "_time_op", time_op)
+    split = "parallel.CONFIG.split_heads=('forward',)"
+    assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--rounds", "2", "--set", "parallel.CONFIG.long_over=128",
+                 "--versus", "parallel.CONFIG.max_tokens=256", f"parallel.CONFIG.max_tokens=1024; {split}"]) == 0
+    one_round = [(576, (), 128, False), (576, (), 128, True), (256, (), 128, False), (256, (), 128, True),
+                 (1024, ("forward",), 128, False), (1024, ("forward",), 128, True)]
+    assert seen == 2 * one_round and parallel.CONFIG == shipped
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| DiT")]
+    assert len(rows) == 6 and rows[:3] == rows[3:]  # as the shape finished, then in the table
+    assert rows[0].startswith("| DiT-XL/2 256px | 256 | as run | 0.0104 (0.0101-0.0107) | 1.000 | 0.0405 (0.0402-0.0408) | 1.000 |")
+    assert rows[1].startswith("| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=256 | 0.00560 (0.00530-0.00590) | 0.538 |")
+    assert rows[2].startswith(f"| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=1024; {split} | 0.0208 (0.0205-0.0211) | 2.000 |")
+
+
+@pytest.mark.parametrize("versus, message", [
+    (["parallel.CONFIG.max_tokens=256;parallel.CONFIG.no_such_key=1"], "no_such_key"),
+    (["parallel.CONFIG.max_tokens=256", " ; "], "--versus: an empty candidate"),
+])
+def test_versus_refuses_a_bad_candidate_in_one_line(versus, message, capsys):
+    assert main(["bench", "op", "--versus", *versus]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
 def test_check_prints_each_case_as_it_finishes(monkeypatch, capsys):
     """`bench op --check` streams one row per case, so a run cut short (here: the third case fails) still shows
     the cases it checked; the kernels themselves are checked on a GPU, so check_case is stood in for here."""

@@ -50,10 +50,16 @@ def register_op_command(commands, settings: argparse.ArgumentParser) -> None:
                     help="first check Triton against the fp64 reference at real sizes: every case, or those whose "
                          "names hold a CASE (dit-xl-256 dit-xl-384: the quadratic form's)")
     op.add_argument("--profile", action="store_true", help="also print where the Triton call's time goes (torch.profiler)")
-    op.add_argument("--shard", nargs="+", type=int, metavar="P",
-                    help="instead of the peers, time MHLA on each rank's token slice of the sequence split over P "
-                         "ranks (context parallel) on this one GPU, P = 1 too: the rank's kernels, without the "
-                         "all-reduces of the summaries and of their gradients (see shard_rows)")
+    modes = op.add_mutually_exclusive_group()
+    modes.add_argument("--versus", nargs="+", metavar="SETTINGS",
+                       help="instead of the peers, time MHLA with the settings in force against each SETTINGS on top "
+                            "of them (TABLE.KEY=VALUE as --set takes, several joined by ';'), in turn, --rounds times, "
+                            "in this one process: an A/B whose table gives each its median and range")
+    op.add_argument("--rounds", type=int, default=3, help="rounds of --versus (default 3)")
+    modes.add_argument("--shard", nargs="+", type=int, metavar="P",
+                       help="instead of the peers, time MHLA on each rank's token slice of the sequence split over P "
+                            "ranks (context parallel) on this one GPU, P = 1 too: the rank's kernels, without the "
+                            "all-reduces of the summaries and of their gradients (see shard_rows)")
     op.add_argument("--shared-memory", type=int, metavar="BYTES",
                     help="launch as a card with BYTES of shared memory per program would (101376: an RTX 4090 or "
                          "L40S; 166912: an A100): the kernels step down to the settings such a card takes, checked "
@@ -265,18 +271,25 @@ def ratios(row: dict) -> dict:
     return out
 
 
-def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, profile: bool = False,
-                impls=None) -> dict:
-    """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs."""
+def shape_inputs(shape: Shape, dtype: torch.dtype, batch: int):
+    """What every timed call of a shape takes: its block geometry, q, k, v and the output's gradient (random, in
+    `dtype`), a locality mixing matrix (fp32) and RoPE tables (cos, sin)."""
     from ..blocks import block_geometry, locality_mix
 
     geometry = block_geometry(shape.grid, shape.blocks)
-    blocks = geometry.blocks
-    n, m = math.prod(shape.grid), math.prod(blocks)
+    n = geometry.num_tokens
     q, k, v, do = (torch.randn(batch, n, shape.heads, shape.d, device="cuda", dtype=dtype) for _ in range(4))
-    mix = locality_mix(blocks).float().cuda()
+    mix = locality_mix(geometry.blocks).float().cuda()
     angles = torch.rand(1, n, 1, shape.d // 2, device="cuda").repeat_interleave(2, dim=-1) * 6.28
-    rope = (angles.cos(), angles.sin())
+    return geometry, (q, k, v, do), mix, (angles.cos(), angles.sin())
+
+
+def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, profile: bool = False,
+                impls=None) -> dict:
+    """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs."""
+    geometry, (q, k, v, do), mix, rope = shape_inputs(shape, dtype, batch)
+    blocks = geometry.blocks
+    n, m = geometry.num_tokens, geometry.num_blocks
     row_bytes = q.numel() * q.element_size()
     leaves = [t.requires_grad_() for t in (q, k, v, mix)]
     row = {"shape": shape.name, "N": n, "heads": shape.heads, "D": shape.d, "blocks": list(blocks), "M": m,
@@ -316,19 +329,16 @@ def shard_rows(shape: Shape, dtype: torch.dtype, batch: int, worlds):
     gradients (B * heads * M * (D*Dv [+ D]) fp32 values each; `ops.context_parallel.comm_bytes`), nor waiting
     for the slowest rank.
     """
-    from ..blocks import block_geometry, locality_mix
     from ..kernels import op
     from ..ops import MHLAOptions
     from ..ops.context_parallel import token_range
 
-    geometry = block_geometry(shape.grid, shape.blocks)
+    geometry, (q, k, v, do), mix, rope = shape_inputs(shape, dtype, batch)
     n = geometry.num_tokens
-    q, k, v, do = (torch.randn(batch, n, shape.heads, shape.d, device="cuda", dtype=dtype) for _ in range(4))
-    mix = locality_mix(geometry.blocks).float().cuda().requires_grad_()
-    angles = torch.rand(1, n, 1, shape.d // 2, device="cuda").repeat_interleave(2, dim=-1) * 6.28
+    mix.requires_grad_()
     variants = {"mhla": (None, MHLAOptions())}
     if shape.as_used:
-        variants["mhla_used"] = ((angles.cos(), angles.sin()), MHLAOptions(normalize=False))
+        variants["mhla_used"] = (rope, MHLAOptions(normalize=False))
     for world in sorted({1, *worlds}):
         for rank in range(world):
             start, end = token_range(n, world, rank)
@@ -449,6 +459,12 @@ def run_op(args: argparse.Namespace) -> int:
         from ..ops.check import selected_cases
 
         selected_cases(args.check)
+    if args.versus:  # so is a candidate's setting that no table holds
+        from .bench_versus import candidate_settings
+
+        candidate_settings(args.versus)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     with overridden(args.set):
         if not torch.cuda.is_available():
             raise ValueError("bench op needs a CUDA GPU")
@@ -476,6 +492,17 @@ def _run_op(args: argparse.Namespace, device: str) -> int:
         if not args.json:
             print(flush=True)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
+    if args.versus:
+        from .bench_versus import candidate_settings, versus_lines, versus_row, versus_table
+
+        report["versus_rows"] = []
+        for s in shapes:
+            report["versus_rows"].append(versus_row(s, dtype, args.batch, candidate_settings(args.versus), args.rounds))
+            if not args.json:
+                print("\n".join(versus_lines(report["versus_rows"][-1])), flush=True)
+        print(json.dumps(report, indent=1) if args.json else
+              versus_table(report["versus_rows"], report["device"], args.dtype, args.batch, args.rounds))
+        return _check_failures(report)
     if args.shard:
         report["shard_rows"] = []
         for s in shapes:
