@@ -80,75 +80,131 @@ def test_shard_table_gives_each_p_its_slowest_rank_and_scaling():
     assert bench._progress(rows[1]).startswith("[s, P = 2, rank 0] mhla fwd 0.500 ")
 
 
-def test_check_takes_the_cases_a_setting_touches(monkeypatch, capsys):
-    """`--check dit-xl-256 dit-xl-384` checks only the cases whose names hold one of those (the quadratic form's: a
-    `--set` of its kernels needs no 5 minutes of long-sequence cases); a name no case holds is refused in one line."""
-    from mhla_diffusion.ops import check
-
-    done = []
-    monkeypatch.setattr(check, "check_case", lambda name, *a: done.append(name) or {
-        "case": name, "dtype": str(a[-1]).replace("torch.", ""), "N": 1, "M": 1, "heads": 1, "D": 1, "Dv": 1,
-        "errors": {}, "worst": 0.0, "ok": True})
+def _gpu_stand_in(monkeypatch):
+    """torch.cuda as a GPU machine's, for the CLI's own logic; the kernels themselves are timed and checked on one."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def _stand_in_check_case(done: list):
+    """check_case recording each case's name and the quadratic form's split setting in force when it ran; the case
+    "dit-xl-384 elu" fails with the split on."""
+    from mhla_diffusion.kernels import parallel
+
+    def check_case(name, heads, d, dv, grid, blocks, options, dtype):
+        done.append((name, parallel.CONFIG["split_heads"]))
+        return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": 1, "M": 1, "heads": 1, "D": 1, "Dv": 1,
+                "errors": {}, "worst": 0.0, "ok": name != "dit-xl-384 elu" or not parallel.CONFIG["split_heads"]}
+    return check_case
+
+
+def test_check_takes_the_cases_a_setting_touches(monkeypatch):
+    """`--check dit-xl-256 dit-xl-384` checks only the cases whose names hold one of those (the quadratic form's: a
+    `--set` of its kernels needs no 5 minutes of long-sequence cases), each on the inputs a full run gives it."""
+    from mhla_diffusion.ops import check
+
+    done, seeds = [], []
+    monkeypatch.setattr(check, "check_case", _stand_in_check_case(done))
+    monkeypatch.setattr(check.torch, "manual_seed", seeds.append)
+    _gpu_stand_in(monkeypatch)
     monkeypatch.setattr(bench, "_copy_bandwidth", lambda do_bench: 1e12)
     monkeypatch.setattr(bench, "bench_shape", lambda *a: pytest.fail("timed before the check finished") if not done
                         else _row({}))
     assert main(["bench", "op", "--check", "dit-xl-256", "dit-xl-384", "--shapes", "DiT-XL/2 256px"]) == 0
     quadratic = ["dit-xl-256", "dit-xl-384 elu", "dit-xl-256, 64 blocks", "dit-xl-384, 36 blocks"]
-    assert sorted(set(done)) == sorted(quadratic) and len(done) == 2 * len(quadratic)
-    capsys.readouterr()
-    done.clear()
-    assert main(["bench", "op", "--check", "dit-xl-2048"]) == 2
-    err = capsys.readouterr().err
-    assert "no check case's name holds 'dit-xl-2048'" in err and "dit-xl-256" in err and not done
+    assert [name for name, _ in done] == [name for name in quadratic for _ in range(2)]  # bf16, fp32
+    assert seeds == [i for i, c in enumerate(check.CASES) if c[0] in quadratic for _ in range(2)]
+
+
+def test_check_refuses_a_case_name_no_case_holds_before_asking_for_a_gpu(capsys):
+    assert main(["bench", "op", "--check", "dit-xl-2048"]) == 2  # this machine has no GPU: refused before that
+    err = capsys.readouterr().err.strip()
+    assert "no check case's name holds 'dit-xl-2048'" in err and "dit-xl-256" in err and len(err.splitlines()) == 1
+
+
+def _cpu_inputs(shape, dtype, batch):
+    from mhla_diffusion.blocks import block_geometry
+
+    geometry = block_geometry(shape.grid, shape.blocks)
+    q, k, v, do = (torch.randn(batch, geometry.num_tokens, shape.heads, shape.d) for _ in range(4))
+    return geometry, (q, k, v, do), torch.eye(geometry.num_blocks), None
 
 
 def test_versus_times_each_candidate_in_turn_on_top_of_the_settings_in_force(monkeypatch, capsys):
-    """`--versus A B --rounds 2`: every round times the settings in force (here with --set), then A, then B, each
-    forward then forward+backward, on one shape's inputs; the tables are as they were afterwards. GPU time is
-    stood in for (the kernels are timed on a GPU): a function of the settings in force at each timing."""
-    from mhla_diffusion.blocks import block_geometry
+    """`--versus A B --rounds 3`: after an untimed warm-up round, each round times the settings in force (here with
+    --set), A and B in turn, starting one further each round, forward then forward+backward, on one shape's inputs;
+    the tables are as they were afterwards. GPU time is stood in for: a function of the settings in force, growing
+    by 1e-4 ms with each timing of the same settings and pass."""
     from mhla_diffusion.kernels import parallel
 
-    def cpu_inputs(shape, dtype, batch):
-        geometry = block_geometry(shape.grid, shape.blocks)
-        q, k, v, do = (torch.randn(batch, geometry.num_tokens, shape.heads, shape.d) for _ in range(4))
-        return geometry, (q, k, v, do), torch.eye(geometry.num_blocks), None
-
-    seen = []
+    seen, count = [], {}
 
     def time_op(do_bench, fn, leaves, do, backward):
         c = parallel.CONFIG
         seen.append((c["max_tokens"], c["split_heads"], c["long_over"], backward))
-        return {576: 0.0100, 256: 0.0050, 1024: 0.0200}[c["max_tokens"]] * (1 + 3 * backward) + 1e-4 * len(seen)
+        count[seen[-1]] = count.get(seen[-1], 0) + 1
+        return {576: 0.0100, 256: 0.0050, 1024: 0.0200}[c["max_tokens"]] * (1 + 3 * backward) + 1e-4 * count[seen[-1]]
 
     shipped = copy.deepcopy(parallel.CONFIG)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "shape_inputs", cpu_inputs)
-    monkeypatch.setattr(bench, "_time_op", time_op)
+    _gpu_stand_in(monkeypatch)
+    monkeypatch.setattr(bench, "shape_inputs", _cpu_inputs)
+    monkeypatch.setattr(bench, "time_op", time_op)
     split = "parallel.CONFIG.split_heads=('forward',)"
-    assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--rounds", "2", "--set", "parallel.CONFIG.long_over=128",
+    assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--rounds", "3", "--set", "parallel.CONFIG.long_over=128",
                  "--versus", "parallel.CONFIG.max_tokens=256", f"parallel.CONFIG.max_tokens=1024; {split}"]) == 0
-    one_round = [(576, (), 128, False), (576, (), 128, True), (256, (), 128, False), (256, (), 128, True),
-                 (1024, ("forward",), 128, False), (1024, ("forward",), 128, True)]
-    assert seen == 2 * one_round and parallel.CONFIG == shipped
+    settings = [(576, ()), (256, ()), (1024, ("forward",))]
+    order = [2, 0, 1, 0, 1, 2, 1, 2, 0, 2, 0, 1]  # warm-up, then rounds 1-3
+    assert seen == [(*settings[i], 128, backward) for i in order for backward in (False, True)]
+    assert parallel.CONFIG == shipped
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| DiT")]
     assert len(rows) == 6 and rows[:3] == rows[3:]  # as the shape finished, then in the table
-    assert rows[0].startswith("| DiT-XL/2 256px | 256 | as run | 0.0104 (0.0101-0.0107) | 1.000 | 0.0405 (0.0402-0.0408) | 1.000 |")
-    assert rows[1].startswith("| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=256 | 0.00560 (0.00530-0.00590) | 0.538 |")
-    assert rows[2].startswith(f"| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=1024; {split} | 0.0208 (0.0205-0.0211) | 2.000 |")
+    assert rows[0] == ("| DiT-XL/2 256px | 256 | as run | 0.0103 (0.0102-0.0104) | 1.000 | 0.0403 (0.0402-0.0404) "
+                       "| 1.000 |")
+    assert rows[1].startswith("| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=256 | 0.00530 (0.00520-0.00540) | "
+                              "0.515 |")
+    assert rows[2].startswith(f"| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=1024; {split} | 0.0203 ")
 
 
-@pytest.mark.parametrize("versus, message", [
-    (["parallel.CONFIG.max_tokens=256;parallel.CONFIG.no_such_key=1"], "no_such_key"),
-    (["parallel.CONFIG.max_tokens=256", " ; "], "--versus: an empty candidate"),
+def test_versus_keeps_timing_past_a_failing_candidate_and_checks_each(monkeypatch, capsys):
+    """A candidate whose launch fails is reported as such and the others are timed on; with --check, the cases run
+    under every candidate as well, and one failing under a candidate fails the command, naming both."""
+    from mhla_diffusion.kernels import parallel
+    from mhla_diffusion.ops import check
+
+    def time_op(do_bench, fn, leaves, do, backward):
+        if parallel.CONFIG["max_tokens"] == 1024:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return 0.01
+
+    done = []
+    monkeypatch.setattr(check, "check_case", _stand_in_check_case(done))
+    _gpu_stand_in(monkeypatch)
+    monkeypatch.setattr(bench, "shape_inputs", _cpu_inputs)
+    monkeypatch.setattr(bench, "time_op", time_op)
+    split = "parallel.CONFIG.split_heads=('forward',)"
+    assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--check", "dit-xl-384 elu",
+                 "--versus", "parallel.CONFIG.max_tokens=1024", split]) == 2
+    assert [s for _, s in done] == [(), (), (), (), ("forward",), ("forward",)]
+    out, err = capsys.readouterr()
+    assert f"check, {split}:" in out and "dit-xl-384 elu (parallel.CONFIG.split_heads=('forward',))" in err
+    rows = [line for line in out.splitlines() if line.startswith("| DiT")]
+    assert rows[1] == "| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=1024 | fail |  | fail |  |"
+    assert rows[2].startswith(f"| DiT-XL/2 256px | 256 | {split} | 0.0100 (0.0100-0.0100) | 1.000 |")
+    assert ("Failed: DiT-XL/2 256px, parallel.CONFIG.max_tokens=1024: RuntimeError: CUDA error: an illegal memory "
+            "access was encountered") in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--versus", "parallel.CONFIG.max_tokens=256;parallel.CONFIG.no_such_key=1"], "no_such_key"),
+    (["--versus", "parallel.CONFIG.max_tokens=256", " ; "], "--versus: an empty candidate"),
+    (["--versus", "mhla.ROPE_CONFIG.output.num_warps=8"], "never reads mhla.ROPE_CONFIG"),
+    (["--versus", "parallel.CONFIG.max_tokens=256", "--impls", "mhla"], "drop --impls and --profile"),
+    (["--versus", "parallel.CONFIG.max_tokens=256", "--rounds", "0"], "--rounds must be at least 1"),
+    (["--rounds", "2"], "give --versus too"),
 ])
-def test_versus_refuses_a_bad_candidate_in_one_line(versus, message, capsys):
-    assert main(["bench", "op", "--versus", *versus]) == 2
+def test_versus_refuses_a_bad_run_in_one_line(argv, message, capsys):
+    assert main(["bench", "op", *argv]) == 2  # this machine has no GPU: refused before that
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
 

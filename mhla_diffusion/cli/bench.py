@@ -54,12 +54,13 @@ def register_op_command(commands, settings: argparse.ArgumentParser) -> None:
     modes.add_argument("--versus", nargs="+", metavar="SETTINGS",
                        help="instead of the peers, time MHLA with the settings in force against each SETTINGS on top "
                             "of them (TABLE.KEY=VALUE as --set takes, several joined by ';'), in turn, --rounds times, "
-                            "in this one process: an A/B whose table gives each its median and range")
-    op.add_argument("--rounds", type=int, default=3, help="rounds of --versus (default 3)")
+                            "in this one process: an A/B whose table gives each its median and range; with --check, "
+                            "the cases are checked under each SETTINGS too")
     modes.add_argument("--shard", nargs="+", type=int, metavar="P",
                        help="instead of the peers, time MHLA on each rank's token slice of the sequence split over P "
                             "ranks (context parallel) on this one GPU, P = 1 too: the rank's kernels, without the "
                             "all-reduces of the summaries and of their gradients (see shard_rows)")
+    op.add_argument("--rounds", type=int, help="rounds of --versus (default 3)")
     op.add_argument("--shared-memory", type=int, metavar="BYTES",
                     help="launch as a card with BYTES of shared memory per program would (101376: an RTX 4090 or "
                          "L40S; 166912: an A100): the kernels step down to the settings such a card takes, checked "
@@ -201,7 +202,7 @@ def _call(fn, leaves, do, backward: bool):
     return step
 
 
-def _time_op(bench, fn, leaves, do, backward: bool) -> float:
+def time_op(bench, fn, leaves, do, backward: bool) -> float:
     if not backward:
         with torch.no_grad():
             return bench(lambda: fn(*leaves), return_mode="median")
@@ -244,11 +245,11 @@ def time_impl(fn, leaves, do, backward: bool, graph: bool) -> dict:
     cross-check of the two. eager_ms is the eager median of do_bench, Python launch cost included."""
     from triton.testing import do_bench, do_bench_cudagraph
 
-    out = {"eager_ms": _time_op(do_bench, fn, leaves, do, backward),
+    out = {"eager_ms": time_op(do_bench, fn, leaves, do, backward),
            "queued_ms": queued_gpu_ms(_call(fn, leaves, do, backward))}
     if graph:
         try:
-            out.update(ms=_time_op(do_bench_cudagraph, fn, leaves, do, backward), how="graph")
+            out.update(ms=time_op(do_bench_cudagraph, fn, leaves, do, backward), how="graph")
             return out
         except RuntimeError as err:  # capture refused: the queued eager time stands
             out["graph_error"] = str(err).splitlines()[0]
@@ -333,12 +334,12 @@ def shard_rows(shape: Shape, dtype: torch.dtype, batch: int, worlds):
     from ..ops import MHLAOptions
     from ..ops.context_parallel import token_range
 
-    geometry, (q, k, v, do), mix, rope = shape_inputs(shape, dtype, batch)
+    geometry, (q, k, v, do), mix, wan_rope = shape_inputs(shape, dtype, batch)
     n = geometry.num_tokens
     mix.requires_grad_()
     variants = {"mhla": (None, MHLAOptions())}
     if shape.as_used:
-        variants["mhla_used"] = (rope, MHLAOptions(normalize=False))
+        variants["mhla_used"] = (wan_rope, MHLAOptions(normalize=False))
     for world in sorted({1, *worlds}):
         for rank in range(world):
             start, end = token_range(n, world, rank)
@@ -380,7 +381,7 @@ def _shard_table(rows: list[dict], device: str, dtype: str, batch: int) -> str:
                     continue
                 whole = next(x for x in same if x["P"] == 1)["times"][name][key]["ms"]
                 slowest = max(x["times"][name][key]["ms"] for x in same if x["P"] == r["P"])
-                cells.append(f"{_ms(slowest)} ({whole / r['P'] / slowest:.2f})")
+                cells.append(f"{ms_text(slowest)} ({whole / r['P'] / slowest:.2f})")
             lines.append(f"| {r['shape']} | {r['P']} | slowest | | | | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -388,10 +389,10 @@ def _shard_table(rows: list[dict], device: str, dtype: str, batch: int) -> str:
 def _cell(t: dict | None) -> str:
     if not t or math.isnan(t.get("ms", math.nan)):
         return "-" if not t else "fail"
-    return _ms(t["ms"]) + ("" if t["how"] == "graph" else "*")
+    return ms_text(t["ms"]) + ("" if t["how"] == "graph" else "*")
 
 
-def _ms(x: float) -> str:
+def ms_text(x: float) -> str:
     """Milliseconds to three decimals, or to three significant digits where those need more: DiT's shapes take
     8-30 us, which three decimals would print as 0.008 for 8.4 and 8.6 alike."""
     if not 0 < x < 0.1:  # NaN too
@@ -419,11 +420,11 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
         lines += ["", f"{what}:", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for r in rows:
             blocks = f"{'x'.join(map(str, r['blocks']))} ({r['M']}, {r['blocks_chosen']})"
-            cells = [r["shape"], f"{r['N']:,}", f"{r['heads']} x {r['D']}", blocks, _ms(r[f"floor_{key}_ms"])]
+            cells = [r["shape"], f"{r['N']:,}", f"{r['heads']} x {r['D']}", blocks, ms_text(r[f"floor_{key}_ms"])]
             cells += [_cell(r["times"].get(n, {}).get(key)) for n in names]
             if "mhla" in names:
                 eager = r["times"].get("mhla", {}).get(key, {}).get("eager_ms", math.nan)
-                cells += [_ms(eager)] + [_ratio(r[f"{x}_{key}"]) for x in ("mhla_vs_cudnn", "mhla_vs_linear",
+                cells += [ms_text(eager)] + [_ratio(r[f"{x}_{key}"]) for x in ("mhla_vs_cudnn", "mhla_vs_linear",
                                                                               "used_vs_mhla")]
             lines.append("| " + " | ".join(cells) + " |")
     errors = [f"{r['shape']} {n} {key}: {t['error']}" for r in rows for n, ts in r["times"].items()
@@ -434,7 +435,8 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
 
 
 def _progress(row: dict) -> str:
-    cells = [f"{n} {key} {_cell(t)} (queued {_ms(t.get('queued_ms', math.nan))}, eager {_ms(t.get('eager_ms', math.nan))})"
+    cells = [f"{n} {key} {_cell(t)} (queued {ms_text(t.get('queued_ms', math.nan))}, "
+             f"eager {ms_text(t.get('eager_ms', math.nan))})"
              for n, ts in row["times"].items() for key, t in ts.items()]
     where = f", P = {row['P']}, rank {row['rank']}" if "P" in row else ""
     return f"[{row['shape']}{where}] " + ", ".join(cells)
@@ -459,49 +461,74 @@ def run_op(args: argparse.Namespace) -> int:
         from ..ops.check import selected_cases
 
         selected_cases(args.check)
-    if args.versus:  # so is a candidate's setting that no table holds
-        from .bench_versus import candidate_settings
-
-        candidate_settings(args.versus)
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    candidates = _versus_candidates(args)  # so is a candidate's setting that no table holds
     with overridden(args.set):
         if not torch.cuda.is_available():
             raise ValueError("bench op needs a CUDA GPU")
         device = torch.cuda.get_device_name() + describe(args.set)
         if args.shared_memory is None:
-            return _run_op(args, device)
+            return _run_op(args, device, candidates)
         from ..kernels.fitting import card_with_shared_memory
 
         with card_with_shared_memory(args.shared_memory):
-            return _run_op(args, f"{device} as a card of {args.shared_memory} bytes of shared memory")
+            return _run_op(args, f"{device} as a card of {args.shared_memory} bytes of shared memory", candidates)
 
 
-def _run_op(args: argparse.Namespace, device: str) -> int:
+def _versus_candidates(args: argparse.Namespace) -> list[list[str]]:
+    """--versus's candidates, each its list of settings ([] without --versus), and the options it takes checked."""
+    if args.versus is None:
+        if args.rounds is not None:
+            raise ValueError("--rounds counts the rounds of --versus: give --versus too")
+        return []
+    if args.impls or args.profile:
+        raise ValueError("--versus times MHLA alone, without a profile: drop --impls and --profile")
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    from .bench_versus import candidate_settings
+
+    return candidate_settings(args.versus)
+
+
+def _run_op(args: argparse.Namespace, device: str, candidates: list[list[str]]) -> int:
+    import contextlib
+
     from triton.testing import do_bench
+
+    from ..kernels.fitting import as_asked
+    from ..kernels.overrides import overridden
 
     dtype = getattr(torch, args.dtype)
     report = {"device": device, "dtype": args.dtype, "batch": args.batch, "settings": args.set}
+    # an A/B times and checks each candidate as it is asked, not at the smaller settings a card would step down to,
+    # unless it runs as a card with less shared memory, whose step-down is what is measured
+    exact = as_asked if candidates and args.shared_memory is None else contextlib.nullcontext
     if args.check is not None:
         from ..ops.check import run_checks
 
-        if not args.json:  # each case's row as it finishes: a run cut short still says what it checked
-            print("\n".join(CHECK_HEADER), flush=True)
-        report["check"] = run_checks(on_result=None if args.json else lambda r: print(_check_row(r), flush=True),
+        report["check"] = []
+        for changed in [[], *candidates]:  # with --versus, the cases under each candidate too
+            if not args.json:  # each case's row as it finishes: a run cut short still says what it checked
+                print(*([f"check, {'; '.join(changed) or 'as run'}:"] if candidates else []), *CHECK_HEADER,
+                      sep="\n", flush=True)
+            with overridden(changed), exact():
+                results = run_checks(on_result=None if args.json else lambda r: print(_check_row(r), flush=True),
                                      names=args.check)
-        if not args.json:
-            print(flush=True)
+            report["check"] += [{**r, "settings": changed} for r in results]
+            if not args.json:
+                print(flush=True)
     shapes = [s for s in SHAPES if not args.shapes or s.name in args.shapes]
-    if args.versus:
-        from .bench_versus import candidate_settings, versus_lines, versus_row, versus_table
+    if candidates:
+        from .bench_versus import versus_lines, versus_row, versus_table
 
+        rounds = args.rounds or 3
         report["versus_rows"] = []
         for s in shapes:
-            report["versus_rows"].append(versus_row(s, dtype, args.batch, candidate_settings(args.versus), args.rounds))
+            with exact():
+                report["versus_rows"].append(versus_row(s, dtype, args.batch, candidates, rounds))
             if not args.json:
                 print("\n".join(versus_lines(report["versus_rows"][-1])), flush=True)
         print(json.dumps(report, indent=1) if args.json else
-              versus_table(report["versus_rows"], report["device"], args.dtype, args.batch, args.rounds))
+              versus_table(report["versus_rows"], report["device"], args.dtype, args.batch, rounds))
         return _check_failures(report)
     if args.shard:
         report["shard_rows"] = []
@@ -527,7 +554,8 @@ def _run_op(args: argparse.Namespace, device: str) -> int:
 
 
 def _check_failures(report: dict) -> int:
-    failed = [r["case"] for r in report.get("check", []) if not r["ok"]]
+    failed = [r["case"] + (f" ({'; '.join(r['settings'])})" if r["settings"] else "")
+              for r in report.get("check", []) if not r["ok"]]
     if failed:
         raise ValueError(f"Triton kernels off the fp64 reference in: {', '.join(failed)}")
     return 0
