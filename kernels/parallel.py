@@ -56,8 +56,10 @@ from .sizes import cdiv, head_tiles, pow2
 # pads less (`head_tile_args`: 72 as 64 + 16). Compiled for sm_90 on the CPU (session 43, `resources.py`'s rows "...
 # heads 64 + 16" against the same without), DiT's 16 x 72 heads: the forward at 1,024 tokens, tensor-core work 18 -> 12
 # units of a 64x64x16 wgmma per key tile, shared memory 139 -> 88 KB (an RTX 4090 takes it as tuned), registers 210 ->
-# 202; dq at 256 tokens 173 -> 138 registers, 86 -> 55 KB; the key kernel spilled more (stack 128 -> 816 bytes). None
-# until timed on a GPU (exact in the interpreter: kernels_interp.py, "parallel form").
+# 202; dq at 256 tokens 173 -> 138 registers, 86 -> 55 KB; the key kernel spilled more (stack 128 -> 816 bytes), so
+# it stays whole. Timed (H100, session 44, `bench op --versus`, 5 rounds, ms): DiT-XL/2 256 px forward 0.00886 ->
+# 0.00817, f+b 0.0371 -> 0.0361; the 576-token forward 0.0175 -> 0.0166; exact in the interpreter (kernels_interp.py,
+# "parallel form") and in `bench op --check dit-xl-256 dit-xl-384` on the GPU.
 SPLIT_KERNELS = ("forward", "grad_queries", "grad_keys")  # what CONFIG["split_heads"] may name
 CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
@@ -70,7 +72,7 @@ CONFIG = {
     "max_tokens": 576,
     "max_tokens_eager": 1024,
     "max_tokens_with_grad": 256,
-    "split_heads": (),
+    "split_heads": ("forward", "grad_queries"),
 }
 
 

@@ -108,18 +108,17 @@ KERNELS = {
     "mix bf16 z folded": (mhla._mix_kernel, "mix", dict(M=30, WITH_Z=True)),
     # the quadratic form (`parallel.CONFIG`) for 16 x 72 heads: DiT-XL/2 256 px (256 tokens, 16 blocks), the
     # forward over 256 tokens (24 x 24 tokens, 16 blocks) and at DiT-XL/2 512 px (eager calls take it there); fp32
-    # mix; heads in one 128-wide column tile, and in 64 + 16 where the name says (`parallel.CONFIG["split_heads"]`)
-    "parallel fwd d72": (parallel._parallel_kernel, "parallel", dict(grid=(1, 16, 16), SPLIT_HEADS=False)),
-    "parallel fwd d72, 576 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 24, 24), SPLIT_HEADS=False)),
-    "parallel fwd d72, 1024 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 32, 32), SPLIT_HEADS=False)),
-    "parallel fwd d72, 1024 tokens, heads 64 + 16": (parallel._parallel_kernel, "parallel",
-                                                     dict(grid=(1, 32, 32), SPLIT_HEADS=True)),
-    "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel",
-                             dict(KEYS=False, grid=(1, 16, 16), SPLIT_HEADS=False)),
-    "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel",
-                                     dict(KEYS=True, grid=(1, 16, 16), SPLIT_HEADS=False)),
-    "parallel grad dq d72, heads 64 + 16": (parallel._parallel_grad_kernel, "parallel",
-                                            dict(KEYS=False, grid=(1, 16, 16), SPLIT_HEADS=True)),
+    # mix; heads in column tiles as `parallel.CONFIG["split_heads"]` says (64 + 16 for the forward and dq), and where
+    # the name says in one 128-wide tile or in 64 + 16
+    "parallel fwd d72": (parallel._parallel_kernel, "parallel", dict(grid=(1, 16, 16))),
+    "parallel fwd d72, 576 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 24, 24))),
+    "parallel fwd d72, 1024 tokens": (parallel._parallel_kernel, "parallel", dict(grid=(1, 32, 32))),
+    "parallel fwd d72, 1024 tokens, one tile": (parallel._parallel_kernel, "parallel",
+                                                dict(grid=(1, 32, 32), SPLIT_HEADS=False)),
+    "parallel grad dq d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=False, grid=(1, 16, 16))),
+    "parallel grad dq d72, one tile": (parallel._parallel_grad_kernel, "parallel",
+                                       dict(KEYS=False, grid=(1, 16, 16), SPLIT_HEADS=False)),
+    "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True, grid=(1, 16, 16))),
     "parallel grad dk dv dmix d72, heads 64 + 16": (parallel._parallel_grad_kernel, "parallel",
                                                     dict(KEYS=True, grid=(1, 16, 16), SPLIT_HEADS=True)),
 }

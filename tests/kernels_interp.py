@@ -299,15 +299,15 @@ def mix_case():
 
 
 SIXTEEN = dict(own=16, walk=16, num_warps=4, num_stages=2)
-# parallel.CONFIG overrides: as shipped; every kernel on 16-token tiles (several blocks in one tile, one block over
-# several); the forward's long-sequence tiles (128 queries) at these short lengths; every kernel's heads in two column
-# tiles (D = 72 as 64 + 16, Dv = 40 as 32 + 16), the forward's so at its long tiles, and dq's alone (the dk kernel
-# beside it on one tile: the candidate, kernels/NOTES.md session 43)
+# parallel.CONFIG overrides: as shipped (the forward's and dq's heads in two column tiles: D = 72 as 64 + 16, Dv = 40
+# as 32 + 16); every kernel on 16-token tiles (several blocks in one tile, one block over several); the forward's
+# long-sequence tiles (128 queries) at these short lengths; every kernel's heads in two column tiles, the forward's so
+# at its long tiles, dq's alone, and none
 PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN,
                                               grad_keys_narrow=SIXTEEN),
                     "long": dict(long_over=0), "split heads": dict(split_heads=parallel.SPLIT_KERNELS),
                     "split heads, long": dict(split_heads=("forward",), long_over=0),
-                    "split dq": dict(split_heads=("grad_queries",))}
+                    "split dq": dict(split_heads=("grad_queries",)), "one tile": dict(split_heads=())}
 
 
 def parallel_case():

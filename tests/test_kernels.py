@@ -365,10 +365,10 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
     row = rows["mix bf16 z folded"]  # S's and z's walks both pipelined (async copies), nothing spilled, 4+ programs/SM
     assert int(row["stack B"]) == 0 and int(row["LDGSTS"]) > 0 and int(row["regs"]) <= 128, row
-    # the quadratic form's forward and dq with DiT's heads in 64 + 16 columns: the 128-wide tile's padding neither
-    # loaded nor kept
-    for one, split in (("parallel fwd d72, 1024 tokens", "parallel fwd d72, 1024 tokens, heads 64 + 16"),
-                       ("parallel grad dq d72", "parallel grad dq d72, heads 64 + 16")):
+    # the quadratic form's forward and dq as shipped, DiT's heads in 64 + 16 columns: the 128-wide tile's padding
+    # neither loaded nor kept
+    for one, split in (("parallel fwd d72, 1024 tokens, one tile", "parallel fwd d72, 1024 tokens"),
+                       ("parallel grad dq d72, one tile", "parallel grad dq d72")):
         one, split = rows[one], rows[split]
         assert int(split["smem B"]) < 0.7 * int(one["smem B"]) and int(split["regs"]) <= int(one["regs"]), (one, split)
         assert int(split["LDG.E.128"]) + int(split["LDGSTS"]) < int(one["LDG.E.128"]) + int(one["LDGSTS"]), (one, split)
@@ -384,7 +384,7 @@ CARDS = {"A100": (80, 166_912), "RTX 4090": (89, 101_376)}
 # The kernels (resources.KERNELS rows) whose H200 settings each card refuses
 REFUSED = {"A100": {"mix bf16"},
            "RTX 4090": {"mix bf16", "grad dk dv", "grad dk dv rope", "grad dk dv rope fp16", "grad dk dv d72",
-                        "parallel fwd d72, 576 tokens", "parallel fwd d72, 1024 tokens"}}
+                        "parallel fwd d72, 1024 tokens, one tile"}}
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -395,9 +395,10 @@ def test_every_kernel_has_settings_that_cards_with_less_shared_memory_take(card)
     refuses (`launch_within_card`; kernels_interp.py's "card refusing the tuned settings" runs that on the
     interpreter). Launched as tuned, the A100 refused the 14B model's mixing GEMM, and a 4090 also a converted Wan's
     key gradients (147,456 bytes as Wan uses them in bf16; 155,648 in fp16, also at 16-token tiles: its Dv tile is
-    what gives) and the 576-token quadratic form: training Wan failed there. DiT's key gradients, on CONFIG's 64-token
-    tiles since session 39's re-sweep, step down there too. The quadratic form with DiT's heads in 64 + 16 columns
-    (`parallel.CONFIG["split_heads"]`) fits a 4090 as tuned at 1,024 tokens, where one 128-wide tile does not."""
+    what gives): training Wan failed there. DiT's key gradients, on CONFIG's 64-token tiles since session 39's re-sweep,
+    step down there too. The quadratic form's forward with DiT's heads in 64 + 16 columns, as shipped since session 44
+    (`parallel.CONFIG["split_heads"]`), fits a 4090 as tuned at 576 and 1,024 tokens, where one 128-wide tile did
+    not."""
     from triton.backends.compiler import GPUTarget
 
     from mhla_diffusion.kernels import fitting, resources
