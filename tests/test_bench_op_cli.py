@@ -89,13 +89,14 @@ def _gpu_stand_in(monkeypatch):
 
 def _stand_in_check_case(done: list):
     """check_case recording each case's name and the quadratic form's split setting in force when it ran; the case
-    "dit-xl-384 elu" fails with the split on."""
+    "dit-xl-384 elu" fails with the key kernel's heads split."""
     from mhla_diffusion.kernels import parallel
 
     def check_case(name, heads, d, dv, grid, blocks, options, dtype):
-        done.append((name, parallel.CONFIG["split_heads"]))
+        split = parallel.CONFIG["split_heads"]
+        done.append((name, split))
         return {"case": name, "dtype": str(dtype).replace("torch.", ""), "N": 1, "M": 1, "heads": 1, "D": 1, "Dv": 1,
-                "errors": {}, "worst": 0.0, "ok": name != "dit-xl-384 elu" or not parallel.CONFIG["split_heads"]}
+                "errors": {}, "worst": 0.0, "ok": name != "dit-xl-384 elu" or "grad_keys" not in split}
     return check_case
 
 
@@ -153,7 +154,7 @@ def test_versus_times_each_candidate_in_turn_on_top_of_the_settings_in_force(mon
     split = "parallel.CONFIG.split_heads=('forward',)"
     assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--rounds", "3", "--set", "parallel.CONFIG.long_over=128",
                  "--versus", "parallel.CONFIG.max_tokens=256", f"parallel.CONFIG.max_tokens=1024; {split}"]) == 0
-    settings = [(576, ()), (256, ()), (1024, ("forward",))]
+    settings = [(576, shipped["split_heads"]), (256, shipped["split_heads"]), (1024, ("forward",))]
     order = [2, 0, 1, 0, 1, 2, 1, 2, 0, 2, 0, 1]  # warm-up, then rounds 1-3
     assert seen == [(*settings[i], 128, backward) for i in order for backward in (False, True)]
     assert parallel.CONFIG == shipped
@@ -182,12 +183,13 @@ def test_versus_keeps_timing_past_a_failing_candidate_and_checks_each(monkeypatc
     _gpu_stand_in(monkeypatch)
     monkeypatch.setattr(bench, "shape_inputs", _cpu_inputs)
     monkeypatch.setattr(bench, "time_op", time_op)
-    split = "parallel.CONFIG.split_heads=('forward',)"
+    split = "parallel.CONFIG.split_heads=('grad_keys',)"
     assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--check", "dit-xl-384 elu",
                  "--versus", "parallel.CONFIG.max_tokens=1024", split]) == 2
-    assert [s for _, s in done] == [(), (), (), (), ("forward",), ("forward",)]
+    shipped = parallel.CONFIG["split_heads"]
+    assert [s for _, s in done] == [shipped] * 4 + [("grad_keys",)] * 2
     out, err = capsys.readouterr()
-    assert f"check, {split}:" in out and "dit-xl-384 elu (parallel.CONFIG.split_heads=('forward',))" in err
+    assert f"check, {split}:" in out and "dit-xl-384 elu (parallel.CONFIG.split_heads=('grad_keys',))" in err
     rows = [line for line in out.splitlines() if line.startswith("| DiT")]
     assert rows[1] == "| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=1024 | fail |  | fail |  |"
     assert rows[2].startswith(f"| DiT-XL/2 256px | 256 | {split} | 0.0100 (0.0100-0.0100) | 1.000 |")
@@ -271,7 +273,8 @@ def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypat
     ("parallel.CONFIG.split_head=('forward',)", "parallel.CONFIG has no key 'split_head' (it has forward,"),
     ("parallel.CONFIG.forward_long.stages=4", "parallel.CONFIG.forward_long has no key 'stages'"),
     ("parallel.CONFIG.split_heads=forward", "'forward' is not a Python literal"),
-    ("parallel.CONFIG.split_heads=True", "parallel.CONFIG.split_heads holds () (tuple), not True (bool)"),
+    ("parallel.CONFIG.split_heads=True",
+     "parallel.CONFIG.split_heads holds ('forward', 'grad_queries') (tuple), not True (bool)"),
     ("parallel.CONFIG.split_heads=('fwd',)", "names kernels of ('forward', 'grad_queries', 'grad_keys'), not ['fwd']"),
     ("parallel.CONFIG.max_tokens=None", "parallel.CONFIG.max_tokens takes no None (it holds 576)"),
     ("parallel.CONFIG.forward={}", "parallel.CONFIG.forward holds keys; set one of them"),
