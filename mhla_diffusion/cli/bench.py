@@ -6,6 +6,7 @@ Each benchmark is a `register_*_command(commands)` function adding its subcomman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -490,8 +491,6 @@ def _versus_candidates(args: argparse.Namespace) -> list[list[str]]:
 
 
 def _run_op(args: argparse.Namespace, device: str, candidates: list[list[str]]) -> int:
-    import contextlib
-
     from triton.testing import do_bench
 
     from ..kernels.fitting import as_asked
