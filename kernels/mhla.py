@@ -441,24 +441,33 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 
 @triton.jit
-def _mix_walk(a, src_ptr, dst_ptr, i, mask_i, k, M, F, sb, sf, first, step, BLOCK_F: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb, spf, first, step,
+              BLOCK_F: tl.constexpr, PRECISION: tl.constexpr, GRAM: tl.constexpr):
     """dst[i, f] = sum_b a[i, b] src[b, f] for the BLOCK_F column tiles first, first + step, ...; int64 row offsets
     (M * F passes 2^31 for long videos). src's tiles are taken in a's type: a no-op for the walks `_mix_kernel` runs,
     but Triton 3.6 also compiles its z walk without WITH_Z (a Python False as an if's condition is no constexpr
-    there), on S's bf16 buffer standing in for z (H200, session 38: every launch without z failed to compile)."""
+    there), on S's bf16 buffer standing in for z (H200, session 38: every launch without z failed to compile).
+    Returns, with GRAM, the walk's share of the Gram sum_f src[b, f] partner[b', f] (partner read through its strides
+    spb, spf, in src's tile type; TF32 products for fp32 tiles, as `block_gram` takes them for 16-bit inputs, where
+    IEEE fp32 took 255 registers and spilled on sm_90): the (blocks x blocks) tile over the same src tiles."""
     dst_rows = dst_ptr + i.to(tl.int64)[:, None] * F
+    gram = tl.zeros((k.shape[0], k.shape[0]), tl.float32)
     for t in range(first, tl.cdiv(F, BLOCK_F), step):
         f = t * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = f < F
         tile = _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f).to(a.dtype)
         acc = tl.dot(a, tile, input_precision=PRECISION)
         tl.store(dst_rows + f[None, :], acc.to(dst_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :])
+        if GRAM:
+            other = _tile(partner_ptr, k.to(tl.int64), spb, k < M, f, spf, mask_f).to(a.dtype)
+            gram = tl.dot(tile, tl.trans(other), gram, input_precision="tf32")
+    return gram
 
 
 @triton.jit
-def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, M, F, FZ, KM, smi, smk, ssb, ssf, szb, szf, s_walks,
-                BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr):
+def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_ptr, M, F, FZ, KM, smi, smk, ssb, ssf,
+                szb, szf, spsb, spsf, spzb, spzf, s_walks, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+                BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op,
     where `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32), and
     with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in full fp32 with mix as given (Triton's
@@ -471,7 +480,10 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, M, F, FZ, KM, smi, smk
     once, kept in shared memory) and walks the BLOCK_F column tiles of s from axis 1's index in steps of s_walks
     (axis 1's programs past s_walks walk z's tiles), the launch's num_stages tiles in flight; the programs of one
     walk, one per row block, are adjacent in launch order, so each S tile comes from HBM once and from L2 for the
-    other row blocks."""
+    other row blocks.
+    GRAM (one row block only: each walk's tiles are then read by one program): the backward's dmix as well, from the
+    tiles it mixes, added into the zeroed (M x M) fp32 gram: sum_f s[b, f] ps[b', f] + z[b, f] pz[b', f] (ps, pz: the
+    forward's S and z); one atomic add of a (blocks x blocks) tile per program."""
     r, p = tl.program_id(0), tl.program_id(1)
     i = r * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_i = i < M
@@ -481,11 +493,13 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, M, F, FZ, KM, smi, smk
     if WITH_Z:
         z_walk = p >= s_walks
     if z_walk:
-        _mix_walk(a.to(tl.float32), z_ptr, zout_ptr, i, mask_i, k, M, FZ, szb, szf, p - s_walks,
-                  tl.num_programs(1) - s_walks, BLOCK_F, "ieee")
+        gram = _mix_walk(a.to(tl.float32), z_ptr, zout_ptr, pz_ptr, i, mask_i, k, M, FZ, szb, szf, spzb, spzf,
+                         p - s_walks, tl.num_programs(1) - s_walks, BLOCK_F, "ieee", GRAM)
     else:
-        _mix_walk(a.to(s_ptr.dtype.element_ty), s_ptr, out_ptr, i, mask_i, k, M, F, ssb, ssf, p, s_walks, BLOCK_F,
-                  "tf32")
+        gram = _mix_walk(a.to(s_ptr.dtype.element_ty), s_ptr, out_ptr, ps_ptr, i, mask_i, k, M, F, ssb, ssf, spsb,
+                         spsf, p, s_walks, BLOCK_F, "tf32", GRAM)
+    if GRAM:
+        tl.atomic_add(gram_ptr + k[:, None] * M + k[None, :], gram, mask=(k < M)[:, None] & (k < M)[None, :])
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -553,14 +567,15 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # up to "max_blocks" blocks (more take cuBLAS: `mixes_with_kernel`). H200, session 34 sweeps (BENCHMARKS.md), bf16 S,
 # us, session 29's kernel (a program per S tile, all rows) -> this: 180 blocks 89.0 -> 64.0, 252: 343.5 -> 263.4
 # (wide: 232.3), 121 (SANA 4K): 17.8 -> 13.2, 60: 20.3 -> 15.2; wide at 180 blocks 67.5, at 256 13.9 (not wide 15.3).
-# Up to "fold_up_to" blocks it reads mix unpadded and mixes z in the same launch (session 37, not yet timed).
+# Up to "fold_up_to" blocks it reads mix unpadded and mixes z in the same launch (session 37, not yet timed); up to
+# "gram_up_to" (no more than "fold_up_to") the backward's mix^T launch also forms dmix (`output_backward`: session 45).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
-            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32},
+            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
@@ -826,31 +841,37 @@ def _reads_mix_as_is(m: int) -> bool:
     return m <= CONFIG["mix"]["fold_up_to"]
 
 
-def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None):
-    """(sum_b mix[i, b] s[b] in s's type, the same of fp32 z or None) by one `_mix_kernel` launch (fp32 accumulate).
-    Up to CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is, and mixes z in the same launch: at short
-    sequences the padded copy, its fill and z's own GEMM were three of the forward's seven launches (DiT-XL/2 512 px:
-    6 of its 50 us); z is only taken there."""
+def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None, gram_with=None):
+    """(sum_b mix[i, b] s[b] in s's type, the same of fp32 z or None, the Gram or None) by one `_mix_kernel` launch
+    (fp32 accumulate). Up to CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is, and mixes z in the same
+    launch: at short sequences the padded copy, its fill and z's own GEMM were three of the forward's seven launches
+    (DiT-XL/2 512 px: 6 of its 50 us); z is only taken there. `gram_with`: (S, z or None) shaped as s and z, there
+    too: the launch also returns sum over f of s[i, f] S[j, f] + z[i, f] z_gram[j, f], (M x M) fp32 (the backward's
+    dmix, from the dS~ and dz~ tiles it mixes back: no `_gram_kernel` launches, their fills and sum)."""
     flat = s.flatten(1)
     m = s.shape[0]
     direct = _reads_mix_as_is(m)
-    if z is not None and not direct:
-        raise ValueError(f"the mixing kernel mixes z in the same launch up to {CONFIG['mix']['fold_up_to']} blocks, "
-                         f"not {m}: mix z on its own (`mix_blocks`)")
+    if (z is not None or gram_with is not None) and not direct:
+        raise ValueError(f"the mixing kernel mixes z and forms the Gram in the same launch up to "
+                         f"{CONFIG['mix']['fold_up_to']} blocks, not {m}: use `mix_blocks` and `block_gram`")
     a = mix.detach().to(s.device) if direct else _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
     z_flat = flat if z is None else z.flatten(1)
     z_out = out if z is None else torch.empty(z_flat.shape, device=z.device, dtype=z.dtype)
+    gram = None if gram_with is None else torch.zeros((m, m), device=s.device, dtype=torch.float32)
+    ps, pz = (flat, z_flat) if gram_with is None else (
+        gram_with[0].flatten(1), z_flat if gram_with[1] is None else gram_with[1].flatten(1))
 
     def launch(settings):
         grid, kwargs = _mix_launch(m, flat.shape[1], settings, 0 if z is None else z_flat.shape[1])
-        compiled.launch(_mix_kernel, grid, a, flat, out, z_flat, z_out, m, flat.shape[1], z_flat.shape[1],
-                        m if direct else a.shape[1], a.stride(0), a.stride(1), flat.stride(0), flat.stride(1),
-                        z_flat.stride(0), z_flat.stride(1), **kwargs)
+        compiled.launch(_mix_kernel, grid, a, flat, out, z_flat, z_out, ps, pz, out if gram is None else gram, m,
+                        flat.shape[1], z_flat.shape[1], m if direct else a.shape[1], a.stride(0), a.stride(1),
+                        flat.stride(0), flat.stride(1), z_flat.stride(0), z_flat.stride(1), ps.stride(0), ps.stride(1),
+                        pz.stride(0), pz.stride(1), GRAM=gram is not None, **kwargs)
 
     launch_within_card(_mix_kernel, s.device, _mix_settings(m), step_tiles("mix"),
-                       {"dtype": s.dtype, "M": m, "z": z is not None}, launch)
-    return out.view(s.shape), None if z is None else z_out.view(z.shape)
+                       {"dtype": s.dtype, "M": m, "z": z is not None, "gram": gram is not None}, launch)
+    return out.view(s.shape), None if z is None else z_out.view(z.shape), gram
 
 
 def mixes_with_kernel(s: torch.Tensor) -> bool:
@@ -900,7 +921,7 @@ def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dt
     bf16 inputs have, at up to CONFIG["mix"]["fold_up_to"] blocks; z then in full fp32, not TF32); z None
     (unnormalized: nothing to mix) gives None."""
     if z is not None and mixes_with_kernel(s) and _reads_mix_as_is(s.shape[0]):
-        return mix_with_kernel(mix, s, z)
+        return mix_with_kernel(mix, s, z)[:2]
     return mix_blocks(mix, s, dtype), None if z is None else mix_blocks(mix, z, dtype)
 
 
@@ -954,8 +975,13 @@ def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize
     dq, _, rden, c = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, stats=normalize,
                                 use_vec=normalize, with_dy=False, eps=eps)
     ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
-    dmix = block_gram(ds_mixed, s, q.dtype)
-    if normalize:
-        dmix += block_gram(dz_mixed, z, q.dtype)
-    ds, dz = mix_summaries(mix.t(), ds_mixed, dz_mixed if normalize else None, q.dtype)
+    # short sequences: dS~ (and dz~) mixed back and dmix formed in one launch
+    if mixes_with_kernel(ds_mixed) and g.M <= min(CONFIG["mix"]["gram_up_to"], CONFIG["mix"]["fold_up_to"]):
+        ds, dz, dmix = mix_with_kernel(mix.t(), ds_mixed, dz_mixed if normalize else None,
+                                       gram_with=(s, z if normalize else None))
+    else:
+        dmix = block_gram(ds_mixed, s, q.dtype)
+        if normalize:
+            dmix += block_gram(dz_mixed, z, q.dtype)
+        ds, dz = mix_summaries(mix.t(), ds_mixed, dz_mixed if normalize else None, q.dtype)
     return dq, dmix.to(mix.dtype), ds, dz_mixed if dz is None else dz

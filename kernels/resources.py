@@ -106,6 +106,7 @@ KERNELS = {
     # blocks with mix as the model holds it (fp32, unpadded) and z mixed in the same launch
     "mix bf16": (mhla._mix_kernel, "mix", dict(M=MIX_BLOCKS)),
     "mix bf16 z folded": (mhla._mix_kernel, "mix", dict(M=30, WITH_Z=True)),
+    "mix bf16 z folded, Gram": (mhla._mix_kernel, "mix", dict(M=30, WITH_Z=True, GRAM=True)),  # the backward's
     # the quadratic form (`parallel.CONFIG`) for 16 x 72 heads: DiT-XL/2 256 px (256 tokens, 16 blocks), the
     # forward over 256 tokens (24 x 24 tokens, 16 blocks) and at DiT-XL/2 512 px (eager calls take it there); fp32
     # mix; heads in column tiles as `parallel.CONFIG["split_heads"]` says (64 + 16 for the forward and dq), and where
@@ -178,16 +179,18 @@ def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
     """Arguments, launch options and fp32 pointers of a mixing row at `settings`: `mhla._mix_launch` at the row's
     M, mix as the launcher passes it (`mhla._mix_operand`'s zero-padded bf16 copy; with WITH_Z, the fp32 matrix
     unpadded) and contiguous S and z, specialized as the JIT specializes them; without WITH_Z, z's pointers are S's
-    bf16 buffers, as `mhla.mix_with_kernel` passes them (Triton 3.6 compiles the z walk even then)."""
-    constexprs = dict(constexprs)
+    bf16 buffers, as `mhla.mix_with_kernel` passes them (Triton 3.6 compiles the z walk even then); with GRAM, the
+    forward's S and z beside them and the fp32 Gram (without, S's and z's buffers and the output stand in)."""
+    constexprs = {"GRAM": False, **constexprs}
     m, with_z = constexprs.pop("M"), constexprs.get("WITH_Z", False)
     f, fz = MIX_COLUMNS[m]
     _, launch = mhla._mix_launch(m, f, settings, fz if with_z else 0)
     options = {k: launch.pop(k) for k in ("num_warps", "num_stages")}
     width = m if with_z else cdiv(m, 16) * 16
-    sizes = dict(M=m, F=f, FZ=fz, KM=width, smi=width, smk=1, ssb=f, ssf=1, szb=fz, szf=1)
-    fp32 = FP32_POINTERS | {"mix_ptr"} if with_z else FP32_POINTERS - {"z_ptr", "zout_ptr"}
-    return {**sizes, **launch, **constexprs}, options, fp32
+    sizes = dict(M=m, F=f, FZ=fz, KM=width, smi=width, smk=1, ssb=f, ssf=1, szb=fz, szf=1, spsb=f, spsf=1, spzb=fz,
+                 spzf=1)
+    fp32 = FP32_POINTERS | {"mix_ptr", "pz_ptr"} if with_z else FP32_POINTERS - {"z_ptr", "zout_ptr"}
+    return {**sizes, **launch, **constexprs}, options, fp32 | ({"gram_ptr"} if constexprs["GRAM"] else set())
 
 
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:

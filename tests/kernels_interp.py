@@ -260,6 +260,25 @@ def stage_case(launch):
     return errors
 
 
+def mixing_kernel_op_case():
+    """The op where its mixing runs on `_mix_kernel` (bf16 summaries at up to CONFIG["mix"]["fold_up_to"] blocks on a
+    GPU; here fp32 ones let through, which the interpreter multiplies exactly): its backward mixes dS~ (and dz~) back
+    and forms dmix in one launch, no `_gram_kernel`, normalized and not, against the fp64 reference."""
+    errors = {}
+    allowed = mhla.mixes_with_kernel
+    mhla.mixes_with_kernel = lambda s: s.shape[0] <= mhla.CONFIG["mix"]["fold_up_to"]
+    try:
+        for normalize in (True, False):
+            with counting(mhla, "block_gram") as grams, counting(mhla, "mix_with_kernel") as mixes:
+                found = op_case((2, 5, 7), (1, 2, 3), 2, 16, 24, normalize=normalize, feature="elu", seed=3)
+            errors.update({f"normalize={normalize} {k}": v for k, v in found.items() if k != "dtype"})
+            # the forward's mixing, the backward's (S~ again; then dS~ back with dmix), the no-grad forward's
+            assert (grams.calls, mixes.calls) == (0, 4), f"Gram launches {grams.calls}, mixing launches {mixes.calls}"
+    finally:
+        mhla.mixes_with_kernel = allowed
+    return errors
+
+
 @contextlib.contextmanager
 def overriding(cfg: dict, **values):
     """cfg holds `values` while it is in use."""
@@ -295,6 +314,29 @@ def mix_case():
         if folded:  # fp16 S: S's products take mix rounded to fp16, z's the fp32 mix (rounded, z is off by ~4e-4)
             z_out = mhla.mix_with_kernel(mix, s.half(), z)[1]
             errors[f"M={m} fp16 S, z folded"] = rel(z_out, torch.einsum("ij,j...->i...", mix.double(), z.double()))
+            errors.update(gram_errors(m, mix, s, z, gen))
+    return errors
+
+
+def gram_errors(m, mix, s, z, gen):
+    """The backward's mixing launch that also forms dmix (`mix_with_kernel(..., gram_with=...)`, on the mix^T view
+    as `output_backward` passes it): the mixed tiles as without the Gram, and the Gram of the tiles it mixes with the
+    forward's S (and z, normalized) against the fp64 sums, with each program on one S tile or one walk over them."""
+    errors = {}
+    ps, pz = torch.randn(s.shape, generator=gen), torch.rand(z.shape, generator=gen)
+    gram_s = torch.einsum("i...,j...->ij", s.double(), ps.double())
+    for tiling, programs in {"a tile each": mhla.CONFIG["mix"]["programs"], "one walk": 1}.items():
+        with overriding(mhla.CONFIG["mix"], programs=programs):
+            for name, z_in, z_gram, want in (("S and z", z, pz, gram_s + torch.einsum("i...,j...->ij", z.double(),
+                                                                                        pz.double())),
+                                             ("S alone", None, None, gram_s)):
+                out, z_out, gram = mhla.mix_with_kernel(mix.t(), s, z_in, gram_with=(ps, z_gram))
+                errors[f"M={m} {tiling} mix^T with the Gram, {name}: Gram"] = rel(gram, want)
+                errors[f"M={m} {tiling} mix^T with the Gram, {name}: S"] = rel(
+                    out, torch.einsum("ij,j...->i...", mix.t().double(), s.double()))
+                if z_in is not None:
+                    errors[f"M={m} {tiling} mix^T with the Gram, {name}: z"] = rel(
+                        z_out, torch.einsum("ij,j...->i...", mix.t().double(), z.double()))
     return errors
 
 
@@ -584,6 +626,7 @@ CASES = {
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),
     "mixing kernel": mix_case,
+    "mixing kernel in the op": mixing_kernel_op_case,
     "parallel form": parallel_case,
     "card refusing the tuned settings": refusing_card_case,
     "torch.compile fullgraph": compile_case,

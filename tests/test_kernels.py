@@ -43,6 +43,7 @@ CASES = [
     "stages",
     "stages split programs",
     "mixing kernel",
+    "mixing kernel in the op",
     "parallel form",
     "card refusing the tuned settings",
     "torch.compile fullgraph",
@@ -331,7 +332,9 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     scalar 2-byte loads without async copies (the JIT marks only multiples of 16; `_head` marks the head offset). The
     mixing GEMM at the 14B model's 252 blocks (128 rows of mix over 256 padded columns, 4 S tiles in flight) keeps to
     registers and fits in shared memory; at DiT-XL/2 512 px's 30 blocks, mixing z in the same launch, its S and z walks
-    both pipeline. DiT's forward summary kernel at 1024 px, z out of its product, fits two programs per SM. Each row is
+    both pipeline, and the backward's launch that forms dmix from the same tiles spills nothing (with IEEE fp32
+    products for z's Gram it spilled 208 bytes). DiT's forward summary kernel at 1024 px, z out of its product, fits
+    two programs per SM. Each row is
     typed as its launcher passes it: the 252-block mixing row (no z) with S's bf16 buffers standing in for z's, which
     Triton 3.6 compiled into a z walk of mismatched types and refused (every mixing launch without z, on the H200 in
     session 38; reproduced on CPU with Triton 3.6's compiler, which this environment does not install)."""
@@ -345,7 +348,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert set(rows) == set(resources.KERNELS)
     # wgmma for bf16 at Wan's block length (fp16's fp32 operands on 32-token tiles and 30 blocks' 32-row mix take the
     # warp-level mma)
-    assert all(int(row["HGMMA"]) > 0 for name, row in rows.items() if not name.endswith(("d72", "fp16", "z folded")))
+    assert all(int(row["HGMMA"]) > 0 for name, row in rows.items()
+               if not name.endswith(("d72", "fp16", "z folded", "Gram")))
     assert all(int(row["HGMMA"]) + int(row["HMMA"]) > 0 for row in rows.values())
     forward = rows["summary fwd"]
     assert int(forward["regs"]) <= 128 and int(forward["stack B"]) == 0 and int(forward["LDL"]) == 0
@@ -365,6 +369,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
     row = rows["mix bf16 z folded"]  # S's and z's walks both pipelined (async copies), nothing spilled, 4+ programs/SM
     assert int(row["stack B"]) == 0 and int(row["LDGSTS"]) > 0 and int(row["regs"]) <= 128, row
+    row = rows["mix bf16 z folded, Gram"]  # the backward's, forming dmix too: pipelined, nothing spilled
+    assert int(row["stack B"]) == 0 and int(row["LDL"]) == 0 and int(row["LDGSTS"]) > 0, row
     # the quadratic form's forward and dq as shipped, DiT's heads in 64 + 16 columns: the 128-wide tile's padding
     # neither loaded nor kept
     for one, split in (("parallel fwd d72, 1024 tokens, one tile", "parallel fwd d72, 1024 tokens"),
@@ -617,7 +623,7 @@ def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, mo
     [(args, kwargs)] = launches
     padded = args[0]
     assert padded.dtype == s.dtype and padded.shape == (m, 48) and padded.stride() == (48, 1)
-    assert args[8:11] == (48, 48, 1) and not kwargs["WITH_Z"]  # mix read up to column 48, row stride 48
+    assert args[11:14] == (48, 48, 1) and not kwargs["WITH_Z"]  # mix read up to column 48, row stride 48
     assert torch.equal(padded[:, :m], mat.detach().to(s.dtype)) and not padded[:, m:].any()
     assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (m, 4 * 8 * 8)
     assert out[0].shape == s.shape and out[0].dtype == s.dtype
@@ -639,7 +645,7 @@ def test_short_sequences_mix_s_and_z_in_one_launch_on_mix_as_it_is(m, transposed
     out = []
     assert _aten_operand_shapes(lambda: out.append(mhla.mix_summaries(mat, s, z, torch.bfloat16))) == []
     [(args, kwargs)] = launches
-    assert args[0].data_ptr() == mix.data_ptr() and args[0].dtype == torch.float32 and args[8:11] == (m, *mat.stride())
+    assert args[0].data_ptr() == mix.data_ptr() and args[0].dtype == torch.float32 and args[11:14] == (m, *mat.stride())
     assert args[1].data_ptr() == s.data_ptr() and args[3].data_ptr() == z.data_ptr() and kwargs["WITH_Z"]
     (mixed_s, mixed_z), = out
     assert mixed_s.shape == s.shape and mixed_s.dtype == s.dtype and mixed_z.shape == z.shape
@@ -648,37 +654,47 @@ def test_short_sequences_mix_s_and_z_in_one_launch_on_mix_as_it_is(m, transposed
     assert no_z is None and not launches[1][1]["WITH_Z"] and launches[1][0][0].data_ptr() == mix.data_ptr()
     mhla.mix_summaries(mat, s.float(), z, torch.float32)
     assert len(launches) == 2
-    with pytest.raises(ValueError, match="mixes z in the same launch up to 32 blocks, not 37"):
-        mhla.mix_with_kernel(torch.rand(37, 37), torch.randn(37, 4, dtype=torch.bfloat16), torch.rand(37, 2))
+    s37 = torch.randn(37, 4, dtype=torch.bfloat16)
+    for z, gram_with in ((torch.rand(37, 2), None), (None, (s37, None))):
+        with pytest.raises(ValueError, match="mixes z and forms the Gram in the same launch up to 32 blocks, not 37"):
+            mhla.mix_with_kernel(torch.rand(37, 37), s37, z, gram_with=gram_with)
 
 
 def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(monkeypatch):
     """`output_forward` and `output_backward` (the op's mixing, forward, and backward with the mix^T products) at 30
     blocks with bf16 inputs: one mixing launch per direction with z folded in, and the token kernels get the mixed
-    z it returns. The mixing launches are recorded, the token kernels replaced by recorders of their inputs."""
+    z it returns; the backward's mix^T launch also forms dmix from the dS~ and dz~ it mixes and the forward's S and
+    z, into the zeroed buffer the backward returns: no `_gram_kernel` launch. The mixing launches are recorded, the
+    token kernels replaced by recorders of their inputs (values: kernels_interp.py, "mixing kernel in the op")."""
     from mhla_diffusion.blocks import block_geometry
     from mhla_diffusion.kernels import mhla
 
     launches = _record_mix_launches(monkeypatch)
+    grams = _record_launches(monkeypatch, ("_gram_kernel",))["_gram_kernel"]
     seen = []
+    m = 30
+    ds_mixed, dz_mixed = torch.randn(m, 2, 8, 8, dtype=torch.bfloat16), torch.rand(m, 2, 8)
     monkeypatch.setattr(mhla, "block_output", lambda q, s, z, *a, **kw: seen.append(z) or q)
     monkeypatch.setattr(mhla, "block_grad",
                         lambda x, y, s, z, *a, **kw: seen.append(z) or (x, None, x[..., 0], x[..., 0]))
-    monkeypatch.setattr(mhla, "block_summaries", lambda q, do, *a, **kw: (s, z))
-    monkeypatch.setattr(mhla, "block_gram", lambda a, b, dtype: torch.zeros(m, m))
+    monkeypatch.setattr(mhla, "block_summaries", lambda q, do, *a, **kw: (ds_mixed, dz_mixed))
     grid, blocks = (1, 10, 12), (1, 5, 6)
-    m = 30
     q = torch.randn(1, 120, 2, 8, dtype=torch.bfloat16)
     g = mhla.Geometry(q, q, block_geometry(grid, blocks))
     mix = torch.rand(m, m)
     s, z = torch.randn(m, 2, 8, 8, dtype=torch.bfloat16), torch.rand(m, 2, 8)
     kw = dict(elu=False, normalize=True, eps=1e-6)
     mhla.output_forward(q, mix, s, z, None, g, **kw)
-    _, _, ds, dz = mhla.output_backward(q, q, mix, s, z, None, g, **kw)
+    _, dmix, ds, dz = mhla.output_backward(q, q, mix, s, z, None, g, **kw)
     assert [kwargs["WITH_Z"] for _, kwargs in launches] == [True, True, True]
+    assert [kwargs["GRAM"] for _, kwargs in launches] == [False, False, True] and grams == []
     assert [args[0].stride() for args, _ in launches] == [mix.stride(), mix.stride(), mix.t().stride()]
     assert [z_in.data_ptr() for z_in in seen] == [args[4].data_ptr() for args, _ in launches[:2]]
-    assert ds.shape == s.shape and dz.data_ptr() == launches[2][0][4].data_ptr()
+    back = launches[2][0]  # mix, dS~, dS, dz~, dz, S, z, the Gram's buffer, ...
+    assert [back[i].data_ptr() for i in (1, 3, 5, 6)] == [t.data_ptr() for t in (ds_mixed, dz_mixed, s, z)]
+    assert back[7].shape == (m, m) and back[7].dtype == torch.float32 and not back[7].any()
+    assert dmix.data_ptr() == back[7].data_ptr() and dmix.dtype == mix.dtype
+    assert ds.shape == s.shape and dz.data_ptr() == back[4].data_ptr()
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
