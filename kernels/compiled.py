@@ -21,16 +21,33 @@ import contextlib
 import torch
 from triton.runtime.jit import JITFunction
 
+# "dependent_launch": kernels with a PDL parameter (each waits for its inputs first, `mhla._await_inputs`) launch as
+# programmatic dependent launches on cards that have them (sm_90 on): the launch overlaps the tail of the kernel
+# before it, where a short sequence's op is a chain of small kernels (not yet timed).
+CONFIG = {"dependent_launch": True}
 # (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,
 # each with its default)
 _COMPILED: dict = {}
 _direct = True  # off inside `through_jit`
+_HOPPER_ON: dict = {}  # device index -> whether its card has programmatic dependent launch
+
+
+def _dependent(kernel) -> bool:
+    """Whether `kernel` launches as a programmatic dependent launch on the current device (`CONFIG`)."""
+    if not (CONFIG["dependent_launch"] and isinstance(kernel, JITFunction) and "PDL" in kernel.arg_names):
+        return False
+    device = torch.cuda.current_device()
+    if device not in _HOPPER_ON:
+        _HOPPER_ON[device] = torch.cuda.get_device_capability(device) >= (9, 0)
+    return _HOPPER_ON[device]
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` (a grid of one to three ints): on a launch key seen before, the compiled
     kernel's own launcher with the arguments in the kernel's parameter order (defaults where a parameter is not given);
-    the JIT's otherwise."""
+    the JIT's otherwise. Programmatic dependent where `_dependent` says."""
+    if _dependent(kernel):
+        kwargs.update(PDL=True, launch_pdl=True)
     if not (_direct and isinstance(kernel, JITFunction)) or kernel.pre_run_hooks:
         kernel[grid](*args, **kwargs)
         return

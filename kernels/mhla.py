@@ -37,6 +37,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ..blocks import BlockGeometry
 from . import compiled
@@ -49,6 +50,16 @@ MAX_TILE_AREA = 128 * 128
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _await_inputs(PDL: tl.constexpr):
+    """With PDL (the kernel launched as a programmatic dependent launch, `compiled.launch`): wait here, before any
+    load or store, until the kernel before it in the stream has finished and its writes are visible. The launch then
+    starts while that kernel's last programs run, instead of after it completes; every kernel so launched waits
+    first, so a kernel two launches back has finished too."""
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit
@@ -251,7 +262,9 @@ def _summary_kernel(
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
     WITH_Z: tl.constexpr, Z_IN_DOT: tl.constexpr, ATOMIC: tl.constexpr, NORM_X: tl.constexpr, DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _await_inputs(PDL)
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dt = (pid_t // DV_TILES) % D_TILES
     vt = pid_t % DV_TILES
@@ -313,7 +326,9 @@ def _output_kernel(
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr,
     OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _await_inputs(PDL)
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     vt = pid_t % DV_TILES
     b, h = bh // heads, bh % heads
@@ -342,7 +357,9 @@ def _grad_kernel(
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr,
     WITH_DY: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    _await_inputs(PDL)
     bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // heads, bh % heads
     m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_m, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0)
@@ -399,9 +416,10 @@ def _grad_kernel(
 
 @triton.jit
 def _rstd_kernel(x_ptr, out_ptr, sxb, sxn, sxh, N, heads, eps, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """out[b, n] = 1 / sqrt(mean of x[b, n]**2 over all heads and features + eps): an RMSNorm across heads, of
     which the token kernels apply the rest (x * out[n] * weight) as they load x (`_features`)."""
+    _await_inputs(PDL)
     pid_b, pid_n = tl.program_id(0), tl.program_id(1)
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # n * sxn: past 2^31 for long fused-qkv videos
     d = tl.arange(0, BLOCK_D)
@@ -417,7 +435,7 @@ def _rstd_kernel(x_ptr, out_ptr, sxb, sxn, sxh, N, heads, eps, D: tl.constexpr, 
 
 @triton.jit
 def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """out[i, j] += sum over f of a[i, f] b[j, f] ((M, F) operands), f split over programs.
 
     cuBLAS runs this shape (M x M outputs, K = B*heads*D*Dv) on a handful of CTAs; here the
@@ -425,6 +443,7 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
     M*M atomics on the same addresses, so the split stays coarse (CONFIG "programs": 256; 1024
     measured 0.161 vs 0.068 ms at Wan 480p, H200).
     """
+    _await_inputs(PDL)
     pid_f, pid_ij = tl.program_id(0), tl.program_id(1)
     n_j = tl.cdiv(M, BLOCK_M)
     i = (pid_ij // n_j) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -467,7 +486,7 @@ def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb,
 @triton.jit
 def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_ptr, M, F, FZ, KM, smi, smk, ssb, ssf,
                 szb, szf, spsb, spsf, spzb, spzf, s_walks, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
-                BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr):
+                BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr, PDL: tl.constexpr = False):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op,
     where `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32), and
     with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in full fp32 with mix as given (Triton's
@@ -484,6 +503,7 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_p
     GRAM (one row block only: each walk's tiles are then read by one program): the backward's dmix as well, from the
     tiles it mixes, added into the zeroed (M x M) fp32 gram: sum_f s[b, f] ps[b', f] + z[b, f] pz[b', f] (ps, pz: the
     forward's S and z); one atomic add of a (blocks x blocks) tile per program."""
+    _await_inputs(PDL)
     r, p = tl.program_id(0), tl.program_id(1)
     i = r * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_i = i < M

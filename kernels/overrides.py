@@ -12,11 +12,11 @@ import ast
 import contextlib
 from typing import Iterator
 
-from . import mhla, parallel, rms_norm
+from . import compiled, mhla, parallel, rms_norm
 
 TABLES = {"mhla.CONFIG": mhla.CONFIG, "mhla.ROPE_CONFIG": mhla.ROPE_CONFIG, "mhla.SHORT_CONFIG": mhla.SHORT_CONFIG,
           "mhla.SHORTEST_CONFIG": mhla.SHORTEST_CONFIG, "mhla.NORMS_CONFIG": mhla.NORMS_CONFIG,
-          "parallel.CONFIG": parallel.CONFIG, "rms_norm.CONFIG": rms_norm.CONFIG}
+          "parallel.CONFIG": parallel.CONFIG, "rms_norm.CONFIG": rms_norm.CONFIG, "compiled.CONFIG": compiled.CONFIG}
 # Tables that override another one's entries for the token kernels (`mhla._config`): a key of those is theirs too.
 TOKEN_KERNELS = {kernel: mhla.CONFIG[kernel] for kernel in ("summary", "output", "grad")}
 OVERRIDDEN = dict.fromkeys(("mhla.ROPE_CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG", "mhla.NORMS_CONFIG"),

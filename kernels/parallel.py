@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import compiled
 from .fitting import launch_within_card
-from .mhla import _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
+from .mhla import _await_inputs, _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
 from .sizes import cdiv, head_tiles, pow2
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
@@ -117,10 +117,12 @@ def _parallel_kernel(
     NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_ALIGN: tl.constexpr, OWN: tl.constexpr,
     WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TAIL_D: tl.constexpr, TAIL_DV: tl.constexpr,
     BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """o for the OWN queries of grid axis 1, batch-head axis 0, walking the keys by WALK (and, normalized, 1 / den
     per query for the backward). A head's D (DV) features are one BLOCK_D (BLOCK_DV) column tile, or with TAIL_D
     (TAIL_DV) > 0 that tile and a second one after it (`head_tiles`: D = 72 as 64 + 16 columns, not 128)."""
+    _await_inputs(PDL)
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads
@@ -178,6 +180,7 @@ def _parallel_grad_kernel(
     WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TAIL_D: tl.constexpr, TAIL_DV: tl.constexpr,
     BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
     g = dO / den and c = -(dO . o) / den per query (unnormalized: g = dO, c = 0): dP = g V^T + c, dA = dP * W,
@@ -188,6 +191,7 @@ def _parallel_grad_kernel(
     launch after it. KEYS: a program owns OWN keys and walks all queries: dk, dv and its share of dmix (the
     queries' one-hot sums E_q^T (dP * A) kept per key, multiplied by the keys' one-hot once, one atomic add of
     the (blocks x blocks) tile). Head tiles as in `_parallel_kernel` (TAIL_D, TAIL_DV: a second column tile)."""
+    _await_inputs(PDL)
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
     b, h = bh // heads, bh % heads

@@ -138,8 +138,12 @@ def compile_for_hopper(kernel, constexprs: dict, options: dict, fp32_pointers=FP
     passes them (pointers: `pointer_type` but `fp32_pointers`).
 
     A value given for an integer the kernel does not declare constexpr (a stride, a head dim) is specialized as the
-    JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown."""
+    JIT specializes a run-time integer: fixed when it is 1, marked divisible by 16 when it is, else left unknown.
+    A constexpr left out takes its default, as the JIT fills it in (PDL: off)."""
     signature, fixed, attrs = {}, {}, {}
+    defaults = {name: p.default for name, p in kernel.signature.parameters.items() if p.default is not p.empty}
+    constexprs = {**{arg: defaults[arg] for arg, param in zip(kernel.arg_names, kernel.params)
+                     if param.is_constexpr and arg in defaults}, **constexprs}  # as the JIT fills them in
     for i, (arg, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if arg in constexprs and (param.is_constexpr or constexprs[arg] == 1):
             signature[arg], fixed[(i,)] = "constexpr", constexprs[arg]

@@ -124,6 +124,73 @@ def test_repeated_launches_go_to_the_compiled_kernel_and_new_specializations_to_
     assert launches[-1][0] == "jit"
 
 
+def _recorded_dependent_kernel(x_ptr, n, BLOCK: "tl.constexpr", PDL: "tl.constexpr" = False):
+    pass
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
+def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_it(capability, monkeypatch):
+    """`compiled.launch` (no GPU here: the JIT and the kernel it compiles are recorders): a kernel with a PDL parameter
+    launches as a programmatic dependent launch (PDL=True, and launch_pdl=True: the compile option Triton's launcher
+    reads) on sm_90 and later, through the JIT and then through the kernel it compiled; an sm_89 card, a kernel
+    without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch as before, under a key of their own."""
+    from triton.runtime.jit import JITFunction
+
+    from mhla_diffusion.kernels import compiled
+    from mhla_diffusion.kernels.overrides import overridden
+
+    launches = []
+
+    class Compiled:
+        def __init__(self, number):
+            self.number = number
+
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("compiled", args[-1], self.number))
+
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    monkeypatch.setattr(compiled, "_HOPPER_ON", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    class RecordedJIT(JITFunction):
+        def run(self, *args, grid, warmup, **kwargs):
+            launches.append(("jit", kwargs.get("PDL", False), kwargs.get("launch_pdl", False)))
+            return Compiled(len(launches))
+
+    waits, plain = RecordedJIT(_recorded_dependent_kernel), RecordedJIT(_recorded_kernel)
+    buf = torch.zeros(32)
+    for _ in range(2):
+        compiled.launch(waits, (2,), buf, 32, BLOCK=16)
+    compiled.launch(plain, (2,), buf, 32, 1e-6, BLOCK=16)
+    with overridden(["compiled.CONFIG.dependent_launch=False"]):
+        for _ in range(2):
+            compiled.launch(waits, (2,), buf, 32, BLOCK=16)
+    on = capability >= (9, 0)
+    off = [("jit", False, False), ("compiled", False, 4)] if on else [("compiled", False, 1)] * 2
+    assert launches == [("jit", on, on), ("compiled", on, 1), ("jit", False, False), *off]
+
+
+def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
+    """A programmatic dependent launch may start while the kernel before it runs: compiled for sm_90 with PDL on
+    (the op's launches on sm_90 and later, `compiled.launch`), each of the op's kernels in `resources.KERNELS` waits
+    (`griddepcontrol.wait`) before its first global load, store, async copy or atomic; with PDL off it holds no wait.
+    CUDA-graph capture and the timing are checked on the GPU (`bench op --check`, BENCHMARKS.md)."""
+    import re
+
+    from mhla_diffusion.kernels import resources
+
+    memory = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+    first_rows = {}
+    for row in resources.KERNELS.values():
+        first_rows.setdefault(row[0], row)
+    assert len(first_rows) == 6  # the three token kernels, the mixing GEMM and the quadratic form's two
+    for kernel, row in first_rows.items():
+        for pdl in (True, False):
+            ptx = resources.compile_row((kernel, row[1], {**row[2], "PDL": pdl}, *row[3:])).asm["ptx"]
+            wait = ptx.find("griddepcontrol.wait")
+            assert (wait >= 0) == pdl and wait < memory.search(ptx).start(), (kernel.__name__, pdl)
+
+
 def test_head_tiles_cover_a_head_in_one_or_two_tensor_core_tiles_with_the_least_padding():
     """`sizes.head_tiles` (the quadratic form's split heads): every head of 1 to 256 features is covered by a power of
     two of at least 16 columns, or by two such tiles where they pad fewer columns than one, the first wholly inside the

@@ -17,7 +17,7 @@ from triton.runtime.errors import OutOfResources
 PASSES = (("fwd", False), ("fwdbwd", True))
 # The tables plain MHLA (no RoPE, no norms: what --versus times) reads; ROPE_CONFIG, NORMS_CONFIG and rms_norm's
 # would print "no change" whatever they held.
-PLAIN_TABLES = ("mhla.CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG", "parallel.CONFIG")
+PLAIN_TABLES = ("compiled.CONFIG", "mhla.CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG", "parallel.CONFIG")
 
 
 def candidate_settings(candidates: list[str]) -> list[list[str]]:
