@@ -595,7 +595,8 @@ CONFIG = {
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
-            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32},
+            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32,
+            "gram": {"num_stages": 2}},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
@@ -822,10 +823,12 @@ def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _mix_settings(m: int) -> dict:
+def _mix_settings(m: int, gram: bool = False) -> dict:
     """`_mix_kernel`'s settings at M <= CONFIG["mix"]["max_blocks"] blocks: CONFIG["mix"], its "wide" settings over
-    "wide_over" blocks, row blocks no taller than M needs."""
-    cfg = {**CONFIG["mix"], **(CONFIG["mix"]["wide"] if m > CONFIG["mix"]["wide_over"] else {})}
+    "wide_over" blocks, and for the launch that forms the Gram too, its "gram" settings; row blocks no taller than M
+    needs."""
+    cfg = {**CONFIG["mix"], **(CONFIG["mix"]["wide"] if m > CONFIG["mix"]["wide_over"] else {}),
+           **(CONFIG["mix"]["gram"] if gram else {})}
     return dict(block_m=max(16, min(cfg["block_m"], pow2(m))), block_f=cfg["block_f"], programs=cfg["programs"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -889,7 +892,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
                         flat.stride(0), flat.stride(1), z_flat.stride(0), z_flat.stride(1), ps.stride(0), ps.stride(1),
                         pz.stride(0), pz.stride(1), GRAM=gram is not None, **kwargs)
 
-    launch_within_card(_mix_kernel, s.device, _mix_settings(m), step_tiles("mix"),
+    launch_within_card(_mix_kernel, s.device, _mix_settings(m, gram is not None), step_tiles("mix"),
                        {"dtype": s.dtype, "M": m, "z": z is not None, "gram": gram is not None}, launch)
     return out.view(s.shape), None if z is None else z_out.view(z.shape), gram
 

@@ -225,7 +225,7 @@ def row_settings(row: tuple) -> tuple[dict, tuple]:
     shared memory, as the launchers pass them."""
     kernel, entry, constexprs, *block_tokens = row
     if entry == "mix":
-        return mhla._mix_settings(constexprs["M"]), mhla.step_tiles("mix")
+        return mhla._mix_settings(constexprs["M"], constexprs.get("GRAM", False)), mhla.step_tiles("mix")
     if entry == "parallel":
         return _parallel_row(constexprs)[1], mhla.step_tiles("parallel")
     d, dv = constexprs.get("D", TILE["D"]), constexprs.get("DV", TILE["DV"])

@@ -436,8 +436,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
     row = rows["mix bf16 z folded"]  # S's and z's walks both pipelined (async copies), nothing spilled, 4+ programs/SM
     assert int(row["stack B"]) == 0 and int(row["LDGSTS"]) > 0 and int(row["regs"]) <= 128, row
-    row = rows["mix bf16 z folded, Gram"]  # the backward's, forming dmix too: pipelined, nothing spilled
-    assert int(row["stack B"]) == 0 and int(row["LDL"]) == 0 and int(row["LDGSTS"]) > 0, row
+    row = rows["mix bf16 z folded, Gram"]  # the backward's, forming dmix too: pipelined, nothing spilled, 4+ per SM
+    assert int(row["stack B"]) == 0 and int(row["LDGSTS"]) > 0 and int(row["regs"]) <= 128, row
     # the quadratic form's forward and dq as shipped, DiT's heads in 64 + 16 columns: the 128-wide tile's padding
     # neither loaded nor kept
     for one, split in (("parallel fwd d72, 1024 tokens, one tile", "parallel fwd d72, 1024 tokens"),
