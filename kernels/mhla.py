@@ -596,7 +596,7 @@ CONFIG = {
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32,
-            "gram": {"num_stages": 2}},
+            "gram": {"num_stages": 2, "programs": 264}},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
