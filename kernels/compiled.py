@@ -23,7 +23,9 @@ from triton.runtime.jit import JITFunction
 
 # "dependent_launch": kernels with a PDL parameter (each waits for its inputs first, `mhla._await_inputs`) launch as
 # programmatic dependent launches on cards that have them (sm_90 on): the launch overlaps the tail of the kernel
-# before it, where a short sequence's op is a chain of small kernels (not yet timed).
+# before it, where a short sequence's op is a chain of small kernels. H100, session 45 (`bench op --versus`, CUDA-graph
+# replay, off -> on, ms): forward DiT-XL/2 512 px 0.0205 -> 0.0198, SANA-1.6B 1K 0.0260 -> 0.0247, DiT-XL/2 256 px
+# (one launch) 0.00829 -> 0.00802; forward+backward 0-3 % lower.
 CONFIG = {"dependent_launch": True}
 # (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,
 # each with its default)

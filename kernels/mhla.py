@@ -588,7 +588,11 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # us, session 29's kernel (a program per S tile, all rows) -> this: 180 blocks 89.0 -> 64.0, 252: 343.5 -> 263.4
 # (wide: 232.3), 121 (SANA 4K): 17.8 -> 13.2, 60: 20.3 -> 15.2; wide at 180 blocks 67.5, at 256 13.9 (not wide 15.3).
 # Up to "fold_up_to" blocks it reads mix unpadded and mixes z in the same launch (session 37, not yet timed); up to
-# "gram_up_to" (no more than "fold_up_to") the backward's mix^T launch also forms dmix (`output_backward`: session 45).
+# "gram_up_to" (no more than "fold_up_to") the backward's mix^T launch also forms dmix (`output_backward`), on its
+# "gram" settings. H100, session 45 (`bench op --versus`, f+b ms, two Gram launches, their fills and sum -> the Gram
+# in the mixing launch at 4 stages): DiT-XL/2 512 px 0.112 -> 0.0916, 384 px 0.0866 -> 0.0717, SANA-1.6B 1K 0.112 ->
+# 0.0939; every mixing launch on 2 stages then took the f+b 5 % lower and the forward 3-4 % higher, so the Gram's
+# launch alone takes 2 (sm_90: 219 -> 128 registers).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
