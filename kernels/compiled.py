@@ -31,16 +31,20 @@ CONFIG = {"dependent_launch": True}
 # each with its default)
 _COMPILED: dict = {}
 _direct = True  # off inside `through_jit`
-_HOPPER_ON: dict = {}  # device index -> whether its card has programmatic dependent launch
+_HOPPER_ON: dict = {}  # device index -> whether its card has programmatic dependent launch (NVIDIA sm_90 on)
+_WAITS: dict = {}  # kernel -> whether it has the PDL parameter (waits for its inputs first)
 
 
-def _dependent(kernel) -> bool:
-    """Whether `kernel` launches as a programmatic dependent launch on the current device (`CONFIG`)."""
-    if not (CONFIG["dependent_launch"] and isinstance(kernel, JITFunction) and "PDL" in kernel.arg_names):
+def _dependent(kernel, device: int) -> bool:
+    """Whether `kernel` launches as a programmatic dependent launch on `device` (`CONFIG`)."""
+    if not CONFIG["dependent_launch"]:
         return False
-    device = torch.cuda.current_device()
+    if kernel not in _WAITS:
+        _WAITS[kernel] = isinstance(kernel, JITFunction) and "PDL" in kernel.arg_names
+    if not _WAITS[kernel]:
+        return False
     if device not in _HOPPER_ON:
-        _HOPPER_ON[device] = torch.cuda.get_device_capability(device) >= (9, 0)
+        _HOPPER_ON[device] = torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
     return _HOPPER_ON[device]
 
 
@@ -48,14 +52,15 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` (a grid of one to three ints): on a launch key seen before, the compiled
     kernel's own launcher with the arguments in the kernel's parameter order (defaults where a parameter is not given);
     the JIT's otherwise. Programmatic dependent where `_dependent` says."""
-    if _dependent(kernel):
+    device = torch.cuda.current_device() if isinstance(kernel, JITFunction) else None  # none interpreted
+    if _dependent(kernel, device):
         kwargs.update(PDL=True, launch_pdl=True)
-    if not (_direct and isinstance(kernel, JITFunction)) or kernel.pre_run_hooks:
+    if not (_direct and device is not None) or kernel.pre_run_hooks:
         kernel[grid](*args, **kwargs)
         return
     # one comprehension, not a function per argument: the key of a DiT launch (23 arguments, 20 keywords) took 11.0 ->
     # 5.9 us to build and look up (this CPU machine, torch 2.14)
-    key = (kernel, torch.cuda.current_device(),
+    key = (kernel, device,
            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a.__class__, a) for a in args],
            *kwargs.items(), *map(type, kwargs.values()))
     known = _COMPILED.get(key)

@@ -500,7 +500,8 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_p
     (axis 1's programs past s_walks walk z's tiles), the launch's num_stages tiles in flight; the programs of one
     walk, one per row block, are adjacent in launch order, so each S tile comes from HBM once and from L2 for the
     other row blocks.
-    GRAM (one row block only: each walk's tiles are then read by one program): the backward's dmix as well, from the
+    GRAM (made for one row block, as at up to CONFIG["mix"]["gram_up_to"] blocks; with more, each walk's tiles are
+    read by one program per row block and the first row block's add): the backward's dmix as well, from the
     tiles it mixes, added into the zeroed (M x M) fp32 gram: sum_f s[b, f] ps[b', f] + z[b, f] pz[b', f] (ps, pz: the
     forward's S and z); one atomic add of a (blocks x blocks) tile per program."""
     _await_inputs(PDL)
@@ -518,8 +519,8 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_p
     else:
         gram = _mix_walk(a.to(s_ptr.dtype.element_ty), s_ptr, out_ptr, ps_ptr, i, mask_i, k, M, F, ssb, ssf, spsb,
                          spsf, p, s_walks, BLOCK_F, "tf32", GRAM)
-    if GRAM:
-        tl.atomic_add(gram_ptr + k[:, None] * M + k[None, :], gram, mask=(k < M)[:, None] & (k < M)[None, :])
+    if GRAM:  # the first row block's programs add: every row block walks the same tiles
+        tl.atomic_add(gram_ptr + k[:, None] * M + k[None, :], gram, mask=(k < M)[:, None] & (k < M)[None, :] & (r == 0))
 
 
 # ----------------------------------------------------------------------------- launchers

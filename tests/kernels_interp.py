@@ -323,10 +323,16 @@ def gram_errors(m, mix, s, z, gen):
     as `output_backward` passes it): the mixed tiles as without the Gram, and the Gram of the tiles it mixes with the
     forward's S (and z, normalized) against the fp64 sums, with each program on one S tile or one walk over them."""
     errors = {}
-    ps, pz = torch.randn(s.shape, generator=gen), torch.rand(z.shape, generator=gen)
+    # the forward's S and z as views whose rows lie further apart than dS~'s and dz~'s (read through their own strides)
+    ps = torch.randn(m, s[0].numel() + 5, generator=gen)[:, :s[0].numel()].view(s.shape)
+    pz = torch.rand(m, z[0].numel() + 3, generator=gen)[:, :z[0].numel()].view(z.shape)
     gram_s = torch.einsum("i...,j...->ij", s.double(), ps.double())
-    for tiling, programs in {"a tile each": mhla.CONFIG["mix"]["programs"], "one walk": 1}.items():
-        with overriding(mhla.CONFIG["mix"], programs=programs):
+    tilings = {"a tile each": dict(programs=mhla.CONFIG["mix"]["programs"]), "one walk": dict(programs=1),
+               "row blocks of 16": dict(block_m=16)}  # over 16 blocks, two row blocks walk the same tiles
+    for tiling, settings in tilings.items():
+        gram = mhla.CONFIG["mix"]["gram"]  # the Gram launch's own settings, where it has them
+        with overriding(mhla.CONFIG["mix"], **settings), overriding(gram, **{k: settings[k] for k in settings
+                                                                             if k in gram}):
             for name, z_in, z_gram, want in (("S and z", z, pz, gram_s + torch.einsum("i...,j...->ij", z.double(),
                                                                                         pz.double())),
                                              ("S alone", None, None, gram_s)):

@@ -128,12 +128,14 @@ def _recorded_dependent_kernel(x_ptr, n, BLOCK: "tl.constexpr", PDL: "tl.constex
     pass
 
 
-@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0)])
-def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_it(capability, monkeypatch):
+@pytest.mark.parametrize("capability,hip", [((8, 9), None), ((9, 0), None), ((10, 0), None), ((9, 4), "6.4")],
+                         ids=["sm_89", "sm_90", "sm_100", "MI300 (ROCm)"])
+def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_it(capability, hip, monkeypatch):
     """`compiled.launch` (no GPU here: the JIT and the kernel it compiles are recorders): a kernel with a PDL parameter
     launches as a programmatic dependent launch (PDL=True, and launch_pdl=True: the compile option Triton's launcher
-    reads) on sm_90 and later, through the JIT and then through the kernel it compiled; an sm_89 card, a kernel
-    without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch as before, under a key of their own."""
+    reads) on sm_90 and later, through the JIT and then through the kernel it compiled; an sm_89 card, an AMD card
+    (whose capability reads 9.4), a kernel without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch
+    as before, under a key of their own."""
     from triton.runtime.jit import JITFunction
 
     from mhla_diffusion.kernels import compiled
@@ -150,6 +152,7 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
 
     monkeypatch.setattr(compiled, "_COMPILED", {})
     monkeypatch.setattr(compiled, "_HOPPER_ON", {})
+    monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     class RecordedJIT(JITFunction):
@@ -165,7 +168,7 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
     with overridden(["compiled.CONFIG.dependent_launch=False"]):
         for _ in range(2):
             compiled.launch(waits, (2,), buf, 32, BLOCK=16)
-    on = capability >= (9, 0)
+    on = capability >= (9, 0) and hip is None
     off = [("jit", False, False), ("compiled", False, 4)] if on else [("compiled", False, 1)] * 2
     assert launches == [("jit", on, on), ("compiled", on, 1), ("jit", False, False), *off]
 
