@@ -1004,7 +1004,7 @@ def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize
                                 use_vec=normalize, with_dy=False, eps=eps)
     ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
     # short sequences: dS~ (and dz~) mixed back and dmix formed in one launch
-    if mixes_with_kernel(ds_mixed) and g.M <= min(CONFIG["mix"]["gram_up_to"], CONFIG["mix"]["fold_up_to"]):
+    if mixes_with_kernel(ds_mixed) and _reads_mix_as_is(g.M) and g.M <= CONFIG["mix"]["gram_up_to"]:
         ds, dz, dmix = mix_with_kernel(mix.t(), ds_mixed, dz_mixed if normalize else None,
                                        gram_with=(s, z if normalize else None))
     else:
