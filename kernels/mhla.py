@@ -593,7 +593,9 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # "gram" settings. H100, session 45 (`bench op --versus`, f+b ms, two Gram launches, their fills and sum -> the Gram
 # in the mixing launch at 4 stages): DiT-XL/2 512 px 0.112 -> 0.0916, 384 px 0.0866 -> 0.0717, SANA-1.6B 1K 0.112 ->
 # 0.0939; every mixing launch on 2 stages then took the f+b 5 % lower and the forward 3-4 % higher, so the Gram's
-# launch alone takes 2 (sm_90: 219 -> 128 registers).
+# launch alone takes 2 (sm_90: 219 -> 128 registers); H100, session 46: 2 -> 4 stages f+b 1.055-1.072x, 264 -> 132
+# programs 0.992-1.005x, 66: 1.071-1.075x. Up to "keep_up_to" blocks the backward takes the mixed summaries the
+# forward made (`keeps_mixed`).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
@@ -601,7 +603,7 @@ CONFIG = {
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32,
-            "gram": {"num_stages": 2, "programs": 264}},
+            "gram": {"num_stages": 2, "programs": 264}, "keep_up_to": 32},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
@@ -987,19 +989,29 @@ def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: b
     return dk, dv
 
 
+def keeps_mixed(m: int) -> bool:
+    """Whether a call of m blocks recorded for autograd keeps the mixed summaries (S~, z~) its forward made for its
+    backward rather than the backward mixing them again: up to CONFIG["mix"]["keep_up_to"] blocks, where that launch
+    is a tenth of a short sequence's forward+backward and S~ is no larger than S (no more than v where blocks hold at
+    least D tokens)."""
+    return m <= CONFIG["mix"]["keep_up_to"]
+
+
 def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, q_norm=None,
                    out_norm=None):
-    """The output of the call's queries from the complete summaries (S in `state_dtype`); `block_output` says what
-    q_norm and out_norm apply."""
+    """(o, (S~, z~ or None)): the output of the call's queries from the complete summaries (S in `state_dtype`), and
+    the mixed summaries it read (`keeps_mixed`); `block_output` says what q_norm and out_norm apply."""
     mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype)
-    return block_output(q, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, normalize=normalize, eps=eps,
-                        out_dtype=q.dtype, q_norm=q_norm, out_norm=out_norm)
+    o = block_output(q, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, normalize=normalize, eps=eps,
+                     out_dtype=q.dtype, q_norm=q_norm, out_norm=out_norm)
+    return o, (mixed_s, mixed_z)
 
 
-def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
-    """dq, dmix and the gradients (dS, dz) of the summaries; for a slice, dmix, dS and dz are its queries' share."""
+def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, mixed=None):
+    """dq, dmix and the gradients (dS, dz) of the summaries; for a slice, dmix, dS and dz are its queries' share.
+    `mixed`: the forward's (S~, z~ or None), or None to mix them again."""
     # unnormalized: z (zeros) and dz~ only stand in for the kernels' unused normalizer vectors, and are not mixed
-    mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype)
+    mixed_s, mixed_z = mixed or mix_summaries(mix, s, z if normalize else None, q.dtype)
     dq, _, rden, c = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, stats=normalize,
                                 use_vec=normalize, with_dy=False, eps=eps)
     ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)

@@ -1,11 +1,12 @@
 """The Triton MHLA path as torch custom ops, so autograd and torch.compile see opaque nodes.
 
 The linear path (`mhla_linear`) is two ops that autograd chains: `mhla_summaries` (k, v -> per-block
-summaries S, z, block-major (M, B*heads, ...), z fp32) and `mhla_output` (q, mix, S, z -> o). Split there
+summaries S, z, block-major (M, B*heads, ...), z fp32) and `mhla_output` (q, mix, S, z -> o, S~, z~). Split there
 so that a context-parallel call can sum one rank's partial summaries over the ranks between them with a
 differentiable all-reduce, whose backward sums the summaries' gradients the same way before the
 summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) with nothing between.
-Besides the inputs, the backward keeps only S and z. Gradients flow to q, k, v and mix; RoPE tables get none.
+Besides the inputs, the backward keeps only S and z, and at short sequences the mixed S~ and z~ (`mhla.keeps_mixed`).
+Gradients flow to q, k, v and mix; RoPE tables get none.
 A short sequence over its whole grid takes a third op instead, `mhla_parallel` (`parallel.py`: MHLA's quadratic
 form, one launch forward and two backward; its backward keeps its output and 1 / den per query).
 `mhla_rms_norm` is a layer's RMSNorms around the op where the kernels cannot apply them on the way (with gradients:
@@ -163,30 +164,37 @@ def mhla_output(
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     q_weight: Optional[torch.Tensor], qk_eps: float, out_gain: Optional[torch.Tensor], out_eps: float,
     geometry: list[int], normalize: bool, eps: float, feature: str,
-) -> torch.Tensor:
-    """o of the call's queries from the complete summaries (S in `mhla.state_dtype`). q_weight, qk_eps: q RMSNormed
-    across heads on the way; out_gain, out_eps: each head's o RMSNormed and scaled (`mhla.fuses_output_norm`
-    calls only); forward only."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, S~, z~) of the call's queries from the complete summaries (S in `mhla.state_dtype`): the output and the
+    mixed summaries it read, which the backward takes where `mhla.keeps_mixed` (z~ empty unnormalized: z is not
+    mixed). q_weight, qk_eps: q RMSNormed across heads on the way; out_gain, out_eps: each head's o RMSNormed and
+    scaled (`mhla.fuses_output_norm` calls only); forward only."""
     g, kw = _decode(q, s, geometry, normalize, eps, feature)
     q = _inner_contiguous(q)
-    return mhla.output_forward(q, mix, s, z, _pair(cos, sin), g, **kw, q_norm=_rms_norm(q, q_weight, qk_eps),
-                               out_norm=_pair(None if out_gain is None else out_gain.contiguous(), out_eps))
+    o, (mixed_s, mixed_z) = mhla.output_forward(q, mix, s, z, _pair(cos, sin), g, **kw,
+                                                q_norm=_rms_norm(q, q_weight, qk_eps),
+                                                out_norm=_pair(None if out_gain is None else out_gain.contiguous(),
+                                                               out_eps))
+    return o, mixed_s, z.new_empty(0) if mixed_z is None else mixed_z
 
 
 @mhla_output.register_fake
-def _(q, mix, s, z, *options):
-    return q.new_empty((*q.shape[:3], s.shape[-1]))
+def _(q, mix, s, z, cos, sin, q_weight, qk_eps, out_gain, out_eps, geometry, normalize, *options):
+    return q.new_empty((*q.shape[:3], s.shape[-1])), s.new_empty(s.shape), z.new_empty(z.shape if normalize else 0)
 
 
 @_op("mhla_output_bwd")
 def mhla_output_bwd(
     do: torch.Tensor, q: torch.Tensor, mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+    mixed_s: Optional[torch.Tensor], mixed_z: Optional[torch.Tensor],
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dmix, dS, dz); mixed_s, mixed_z: the forward's S~ and z~ (`mhla.keeps_mixed`), or None to mix again."""
     g, kw = _decode(q, s, geometry, normalize, eps, feature)
     do, q = (_inner_contiguous(t) for t in (do.to(q.dtype), q))
-    return mhla.output_backward(do, q, mix, s, z, _pair(cos, sin), g, **kw)
+    mixed = None if mixed_s is None else (mixed_s, mixed_z if normalize else None)
+    return mhla.output_backward(do, q, mix, s, z, _pair(cos, sin), g, **kw, mixed=mixed)
 
 
 @mhla_output_bwd.register_fake
@@ -230,6 +238,7 @@ def _(do, q, k, v, mix, *options):
 
 def _save_parallel_inputs(ctx, inputs, output):
     q, k, v, mix, *options = inputs
+    ctx.set_materialize_grads(False)  # no zeros made for rden, which nothing differentiates
     ctx.save_for_backward(q, k, v, mix, *output)
     ctx.options = options
 
@@ -265,13 +274,15 @@ def _summaries_backward(ctx, ds, dz):
 def _save_output_inputs(ctx, inputs, output):
     q, mix, s, z, cos, sin, q_weight, _, out_gain, _, *options = inputs
     _forward_only(q_weight, out_gain)
-    ctx.save_for_backward(q, mix, s, z, cos, sin)
+    ctx.set_materialize_grads(False)  # no zeros made for S~ and z~, which nothing differentiates
+    mixed = output[1:] if mhla.keeps_mixed(s.shape[0]) else (None, None)
+    ctx.save_for_backward(q, mix, s, z, *mixed, cos, sin)
     ctx.options = options
 
 
-def _output_backward(ctx, do):
-    q, mix, s, z, cos, sin = ctx.saved_tensors
-    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, mix, s, z, cos, sin, *ctx.options)
+def _output_backward(ctx, do, *_):
+    q, mix, s, z, mixed_s, mixed_z, cos, sin = ctx.saved_tensors
+    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, mix, s, z, mixed_s, mixed_z, cos, sin, *ctx.options)
     return dq, dmix, ds, dz, None, None, None, None, None, None, *(None for _ in ctx.options)
 
 
@@ -331,7 +342,7 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: fl
 
 def mixed_output(q, mix, s, z, cos, sin, args, q_norm=(None, 0.0), out_norm=(None, 0.0)):
     """`mhla_output` from complete summaries of any float type (a slice's are fp32), rounded to `mhla.state_dtype`."""
-    return _call(mhla_output, q, mix, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *q_norm, *out_norm, *args)
+    return _call(mhla_output, q, mix, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *q_norm, *out_norm, *args)[0]
 
 
 def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None, norms=None):

@@ -263,17 +263,21 @@ def stage_case(launch):
 def mixing_kernel_op_case():
     """The op where its mixing runs on `_mix_kernel` (bf16 summaries at up to CONFIG["mix"]["fold_up_to"] blocks on a
     GPU; here fp32 ones let through, which the interpreter multiplies exactly): its backward mixes dS~ (and dz~) back
-    and forms dmix in one launch, no `_gram_kernel`, normalized and not, against the fp64 reference."""
+    and forms dmix in one launch, no `_gram_kernel`, normalized and not, against the fp64 reference; with the
+    forward's S~ and z~ (`mhla.keeps_mixed`) or mixing them again."""
     errors = {}
     allowed = mhla.mixes_with_kernel
     mhla.mixes_with_kernel = lambda s: s.shape[0] <= mhla.CONFIG["mix"]["fold_up_to"]
     try:
-        for normalize in (True, False):
-            with counting(mhla, "block_gram") as grams, counting(mhla, "mix_with_kernel") as mixes:
+        for normalize, keep_up_to in ((True, 32), (False, 32), (True, 0)):
+            with (overriding(mhla.CONFIG["mix"], keep_up_to=keep_up_to), counting(mhla, "block_gram") as grams,
+                  counting(mhla, "mix_with_kernel") as mixes):
                 found = op_case((2, 5, 7), (1, 2, 3), 2, 16, 24, normalize=normalize, feature="elu", seed=3)
-            errors.update({f"normalize={normalize} {k}": v for k, v in found.items() if k != "dtype"})
-            # the forward's mixing, the backward's (S~ again; then dS~ back with dmix), the no-grad forward's
-            assert (grams.calls, mixes.calls) == (0, 4), f"Gram launches {grams.calls}, mixing launches {mixes.calls}"
+            errors.update({f"normalize={normalize} keep_up_to={keep_up_to} {k}": v for k, v in found.items()
+                           if k != "dtype"})
+            # the forward's mixing, the backward's (S~ again unless kept; then dS~ back with dmix), the no-grad forward's
+            expected = (0, 3 if keep_up_to else 4)
+            assert (grams.calls, mixes.calls) == expected, f"Gram launches {grams.calls}, mixing launches {mixes.calls}"
     finally:
         mhla.mixes_with_kernel = allowed
     return errors

@@ -767,6 +767,58 @@ def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(m
     assert ds.shape == s.shape and dz.data_ptr() == back[4].data_ptr()
 
 
+def _aten_calls(fn) -> list:
+    """The aten ops `fn` dispatches, by name (the autograd engine's own allocations included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        fn()
+    return Recorder.calls
+
+
+@pytest.mark.parametrize("route", ["body", "custom op"])
+@pytest.mark.parametrize("m", [6, 30, 33])
+def test_the_backward_takes_the_forwards_mixed_summaries_at_short_sequences_and_no_zeros(route, m, monkeypatch):
+    """Through the output op with autograd, at up to CONFIG["mix"]["keep_up_to"] blocks the backward gets the S~
+    and z~ its forward mixed (`mhla.keeps_mixed`: one mixing launch fewer; kernels_interp.py, "mixing kernel in the
+    op", counts them and checks the values); over it, none, and mixes again. Neither those outputs nor the quadratic
+    form's 1 / den are differentiated: autograd hands their backward None, not a zero-filled tensor of each (a fill
+    launch a step). The launchers are recorded, not run; both ways autograd records the op (`op._call`)."""
+    from mhla_diffusion.kernels import mhla, op, parallel
+
+    seen = {}
+    mixed = torch.randn(m, 4, 8, 8, dtype=torch.bfloat16), torch.rand(m, 4, 8)
+    monkeypatch.setattr(mhla, "output_forward", lambda q, *a, **kw: (q * 1, tuple(t.clone() for t in mixed)))
+    monkeypatch.setattr(mhla, "output_backward", lambda do, q, mix, s, z, *a, mixed, **kw: seen.update(mixed=mixed) or (
+        torch.empty_like(q), torch.empty_like(mix), torch.empty_like(s), torch.empty_like(z)))
+    monkeypatch.setattr(parallel, "parallel_output", lambda q, *a, **kw: (q * 1, torch.rand(q.shape[0] * 4, 64)))
+    monkeypatch.setattr(parallel, "parallel_grad", lambda do, q, k, v, mix, *a, **kw: tuple(
+        torch.empty_like(t) for t in (q, k, v, mix)))
+    call = op._call if route == "body" else lambda fn, *args: fn(*args)
+    q = torch.randn(2, 64, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    mix = torch.rand(m, m, requires_grad=True)
+    s, z = mixed[0].detach().requires_grad_(), mixed[1].detach().requires_grad_()
+    args = op.op_args(block_geometry((1, 8, 8), (1, 1, 1)), MHLAOptions())
+    o, mixed_s, mixed_z = call(op.mhla_output, q, mix, s, z, None, None, None, 0.0, None, 0.0, *args)
+    assert [mixed_s.shape, mixed_z.shape] == [s.shape, z.shape]
+    calls = _aten_calls(lambda: o.sum().backward())
+    assert not {"zeros", "zeros_like", "zero_", "fill_"} & set(calls), calls
+    if m <= mhla.CONFIG["mix"]["keep_up_to"]:
+        assert [t.data_ptr() for t in seen["mixed"]] == [mixed_s.data_ptr(), mixed_z.data_ptr()]
+    else:
+        assert seen["mixed"] is None
+    o, rden = call(op.mhla_parallel, q, q, q, mix, *args)
+    calls = _aten_calls(lambda: o.sum().backward())
+    assert not {"zeros", "zeros_like", "zero_", "fill_"} & set(calls), calls
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
 def test_mixing_takes_the_kernel_where_it_measured_faster_and_cublas_elsewhere(transposed, monkeypatch):
     """bf16 summaries at the block counts where the kernel beat cuBLAS on an H200 (a converted Wan's 180 and 252
