@@ -25,8 +25,9 @@ from triton.runtime.jit import JITFunction
 # programmatic dependent launches on cards that have them (sm_90 on): the launch overlaps the tail of the kernel
 # before it, where a short sequence's op is a chain of small kernels. H100, session 45 (`bench op --versus`, CUDA-graph
 # replay, off -> on, ms): forward DiT-XL/2 512 px 0.0205 -> 0.0198, SANA-1.6B 1K 0.0260 -> 0.0247, DiT-XL/2 256 px
-# (one launch) 0.00829 -> 0.00802; forward+backward 0-3 % lower.
-CONFIG = {"dependent_launch": True}
+# (one launch) 0.00829 -> 0.00802; forward+backward 0-3 % lower. "trigger_dependents": each such kernel also lets the
+# next launch start once all its programs have passed their wait, not once they exit (PDL=2).
+CONFIG = {"dependent_launch": True, "trigger_dependents": True}
 # (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,
 # each with its default)
 _COMPILED: dict = {}
@@ -35,17 +36,18 @@ _HOPPER_ON: dict = {}  # device index -> whether its card has programmatic depen
 _WAITS: dict = {}  # kernel -> whether it has the PDL parameter (waits for its inputs first)
 
 
-def _dependent(kernel, device: int) -> bool:
-    """Whether `kernel` launches as a programmatic dependent launch on `device` (`CONFIG`)."""
+def _dependent(kernel, device: int) -> int:
+    """`kernel`'s PDL on `device` (`CONFIG`, `mhla._await_inputs`): 0, a plain launch; 1, a programmatic dependent
+    launch; 2, one that also lets the next launch start early."""
     if not CONFIG["dependent_launch"]:
-        return False
+        return 0
     if kernel not in _WAITS:
         _WAITS[kernel] = isinstance(kernel, JITFunction) and "PDL" in kernel.arg_names
     if not _WAITS[kernel]:
-        return False
+        return 0
     if device not in _HOPPER_ON:
         _HOPPER_ON[device] = torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
-    return _HOPPER_ON[device]
+    return _HOPPER_ON[device] * (1 + CONFIG["trigger_dependents"])
 
 
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
@@ -53,8 +55,9 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     kernel's own launcher with the arguments in the kernel's parameter order (defaults where a parameter is not given);
     the JIT's otherwise. Programmatic dependent where `_dependent` says."""
     device = torch.cuda.current_device() if isinstance(kernel, JITFunction) else None  # none interpreted
-    if _dependent(kernel, device):
-        kwargs.update(PDL=True, launch_pdl=True)
+    pdl = _dependent(kernel, device)
+    if pdl:
+        kwargs.update(PDL=pdl, launch_pdl=True)
     if not (_direct and device is not None) or kernel.pre_run_hooks:
         kernel[grid](*args, **kwargs)
         return

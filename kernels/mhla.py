@@ -37,7 +37,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..blocks import BlockGeometry
 from . import compiled
@@ -57,9 +57,12 @@ def _await_inputs(PDL: tl.constexpr):
     """With PDL (the kernel launched as a programmatic dependent launch, `compiled.launch`): wait here, before any
     load or store, until the kernel before it in the stream has finished and its writes are visible. The launch then
     starts while that kernel's last programs run, instead of after it completes; every kernel so launched waits
-    first, so a kernel two launches back has finished too."""
+    first, so a kernel two launches back has finished too. PDL 2: then let the next launch start once every program
+    of this one has got here, rather than once they have exited (its programs wait in turn; `compiled.CONFIG`)."""
     if PDL:
         gdc_wait()
+    if PDL > 1:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -262,7 +265,7 @@ def _summary_kernel(
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
     WITH_Z: tl.constexpr, Z_IN_DOT: tl.constexpr, ATOMIC: tl.constexpr, NORM_X: tl.constexpr, DOT: tl.constexpr,
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _await_inputs(PDL)
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -326,7 +329,7 @@ def _output_kernel(
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr,
     OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _await_inputs(PDL)
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -357,7 +360,7 @@ def _grad_kernel(
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr,
     WITH_DY: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     _await_inputs(PDL)
     bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -416,7 +419,7 @@ def _grad_kernel(
 
 @triton.jit
 def _rstd_kernel(x_ptr, out_ptr, sxb, sxn, sxh, N, heads, eps, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
     """out[b, n] = 1 / sqrt(mean of x[b, n]**2 over all heads and features + eps): an RMSNorm across heads, of
     which the token kernels apply the rest (x * out[n] * weight) as they load x (`_features`)."""
     _await_inputs(PDL)
@@ -435,7 +438,7 @@ def _rstd_kernel(x_ptr, out_ptr, sxb, sxn, sxh, N, heads, eps, D: tl.constexpr, 
 
 @triton.jit
 def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
     """out[i, j] += sum over f of a[i, f] b[j, f] ((M, F) operands), f split over programs.
 
     cuBLAS runs this shape (M x M outputs, K = B*heads*D*Dv) on a handful of CTAs; here the
@@ -486,7 +489,7 @@ def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb,
 @triton.jit
 def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_ptr, M, F, FZ, KM, smi, smk, ssb, ssf,
                 szb, szf, spsb, spsf, spzb, spzf, s_walks, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
-                BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr, PDL: tl.constexpr = False):
+                BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr, PDL: tl.constexpr = 0):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op,
     where `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32), and
     with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in full fp32 with mix as given (Triton's
@@ -1015,13 +1018,18 @@ def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize
     dq, _, rden, c = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, stats=normalize,
                                 use_vec=normalize, with_dy=False, eps=eps)
     ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
-    # short sequences: dS~ (and dz~) mixed back and dmix formed in one launch
-    if mixes_with_kernel(ds_mixed) and _reads_mix_as_is(g.M) and g.M <= CONFIG["mix"]["gram_up_to"]:
-        ds, dz, dmix = mix_with_kernel(mix.t(), ds_mixed, dz_mixed if normalize else None,
-                                       gram_with=(s, z if normalize else None))
-    else:
-        dmix = block_gram(ds_mixed, s, q.dtype)
-        if normalize:
-            dmix += block_gram(dz_mixed, z, q.dtype)
-        ds, dz = mix_summaries(mix.t(), ds_mixed, dz_mixed if normalize else None, q.dtype)
+    ds, dz, dmix = mix_back(mix, ds_mixed, dz_mixed if normalize else None, s, z if normalize else None, q.dtype)
     return dq, dmix.to(mix.dtype), ds, dz_mixed if dz is None else dz
+
+
+def mix_back(mix, ds_mixed, dz_mixed, s, z, dtype: torch.dtype):
+    """(dS, dz or None, dmix in fp32) from the gradients of the mixed summaries (dz~ and z None unnormalized). Short
+    sequences: one launch, whose mix^T walk also forms dmix from the tiles it mixes; else two Gram launches and the
+    mix^T products."""
+    m = ds_mixed.shape[0]
+    if mixes_with_kernel(ds_mixed) and _reads_mix_as_is(m) and m <= CONFIG["mix"]["gram_up_to"]:
+        return mix_with_kernel(mix.t(), ds_mixed, dz_mixed, gram_with=(s, z))
+    dmix = block_gram(ds_mixed, s, dtype)
+    if dz_mixed is not None:
+        dmix += block_gram(dz_mixed, z, dtype)
+    return *mix_summaries(mix.t(), ds_mixed, dz_mixed, dtype), dmix

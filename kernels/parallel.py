@@ -117,7 +117,7 @@ def _parallel_kernel(
     NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_ALIGN: tl.constexpr, OWN: tl.constexpr,
     WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TAIL_D: tl.constexpr, TAIL_DV: tl.constexpr,
     BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """o for the OWN queries of grid axis 1, batch-head axis 0, walking the keys by WALK (and, normalized, 1 / den
     per query for the backward). A head's D (DV) features are one BLOCK_D (BLOCK_DV) column tile, or with TAIL_D
@@ -180,7 +180,7 @@ def _parallel_grad_kernel(
     WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TAIL_D: tl.constexpr, TAIL_DV: tl.constexpr,
     BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, KEYS: tl.constexpr, DOT: tl.constexpr,
     PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Gradients of the quadratic form, split as FlashAttention-2 splits them. With A = phi(Q) phi(K)^T, P = A * W,
     g = dO / den and c = -(dO . o) / den per query (unnormalized: g = dO, c = 0): dP = g V^T + c, dA = dP * W,

@@ -37,10 +37,10 @@ SWEEP = {
 }
 KERNEL_STAGES = {
     "summary": ("fwd: summaries", "bwd: dS~ summaries"),
-    "gram": ("bwd: dmix",),
+    "gram": ("bwd: mix^T, dmix",),
     "output": ("fwd: output",),
     "grad": ("bwd: dq + stats", "bwd: dk, dv"),
-    "mix": ("fwd: mix (S and z)", "bwd: mix^T"),
+    "mix": ("fwd: mix (S and z)", "bwd: mix^T, dmix"),
 }
 
 
@@ -51,7 +51,8 @@ def _inputs(heads, d, grid, blocks):
 
 
 def stages(name: str) -> dict:
-    """Median ms of each kernel / GEMM of one forward and backward."""
+    """Median ms of each kernel / GEMM of one forward and backward (where `mhla.keeps_mixed` does not hold, the
+    backward runs the forward's mix stage once more)."""
     heads, d, grid, blocks = SHAPES[name]
     q, k, v, do, mix = _inputs(heads, d, grid, blocks)
     g = mhla.Geometry(q, v, block_geometry(grid, blocks))
@@ -68,8 +69,7 @@ def stages(name: str) -> dict:
                                                    **kw),
         "bwd: dS~ summaries": lambda: mhla.block_summaries(q, do, None, g, elu=False, with_z=True, y_scale=rden,
                                                            z_weight=c),
-        "bwd: dmix": lambda: (mhla.block_gram(dms, s, q.dtype), mhla.block_gram(dmz, z, q.dtype)),
-        "bwd: mix^T": lambda: mhla.mix_summaries(mix.t(), dms, dmz, q.dtype),
+        "bwd: mix^T, dmix": lambda: mhla.mix_back(mix, dms, dmz, s, z, q.dtype),
         "bwd: dk, dv": lambda: mhla.block_grad(k, v, ms, mz, None, g, stats=False, use_vec=True, with_dy=True, **kw),
     }
     return {key: do_bench(fn, return_mode="median") for key, fn in timed.items()}

@@ -124,7 +124,7 @@ def test_repeated_launches_go_to_the_compiled_kernel_and_new_specializations_to_
     assert launches[-1][0] == "jit"
 
 
-def _recorded_dependent_kernel(x_ptr, n, BLOCK: "tl.constexpr", PDL: "tl.constexpr" = False):
+def _recorded_dependent_kernel(x_ptr, n, BLOCK: "tl.constexpr", PDL: "tl.constexpr" = 0):
     pass
 
 
@@ -132,10 +132,11 @@ def _recorded_dependent_kernel(x_ptr, n, BLOCK: "tl.constexpr", PDL: "tl.constex
                          ids=["sm_89", "sm_90", "sm_100", "MI300 (ROCm)"])
 def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_it(capability, hip, monkeypatch):
     """`compiled.launch` (no GPU here: the JIT and the kernel it compiles are recorders): a kernel with a PDL parameter
-    launches as a programmatic dependent launch (PDL=True, and launch_pdl=True: the compile option Triton's launcher
-    reads) on sm_90 and later, through the JIT and then through the kernel it compiled; an sm_89 card, an AMD card
-    (whose capability reads 9.4), a kernel without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch
-    as before, under a key of their own."""
+    launches as a programmatic dependent launch (PDL=2, which also lets the next launch start early, and
+    launch_pdl=True: the compile option Triton's launcher reads) on sm_90 and later, through the JIT and then through
+    the kernel it compiled; PDL=1 with `compiled.CONFIG["trigger_dependents"]` off; an sm_89 card, an AMD card (whose
+    capability reads 9.4), a kernel without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch as
+    before, under a key of their own."""
     from triton.runtime.jit import JITFunction
 
     from mhla_diffusion.kernels import compiled
@@ -157,7 +158,7 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     class RecordedJIT(JITFunction):
         def run(self, *args, grid, warmup, **kwargs):
-            launches.append(("jit", kwargs.get("PDL", False), kwargs.get("launch_pdl", False)))
+            launches.append(("jit", kwargs.get("PDL", 0), kwargs.get("launch_pdl", False)))
             return Compiled(len(launches))
 
     waits, plain = RecordedJIT(_recorded_dependent_kernel), RecordedJIT(_recorded_kernel)
@@ -165,19 +166,25 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
     for _ in range(2):
         compiled.launch(waits, (2,), buf, 32, BLOCK=16)
     compiled.launch(plain, (2,), buf, 32, 1e-6, BLOCK=16)
+    with overridden(["compiled.CONFIG.trigger_dependents=False"]):
+        for _ in range(2):
+            compiled.launch(waits, (2,), buf, 32, BLOCK=16)
     with overridden(["compiled.CONFIG.dependent_launch=False"]):
         for _ in range(2):
             compiled.launch(waits, (2,), buf, 32, BLOCK=16)
-    on = capability >= (9, 0) and hip is None
-    off = [("jit", False, False), ("compiled", False, 4)] if on else [("compiled", False, 1)] * 2
-    assert launches == [("jit", on, on), ("compiled", on, 1), ("jit", False, False), *off]
+    if capability >= (9, 0) and hip is None:
+        assert launches == [("jit", 2, True), ("compiled", 2, 1), ("jit", 0, False), ("jit", 1, True),
+                            ("compiled", 1, 4), ("jit", 0, False), ("compiled", 0, 6)]
+    else:
+        assert launches == [("jit", 0, False), ("compiled", 0, 1), ("jit", 0, False), *[("compiled", 0, 1)] * 4]
 
 
 def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
     """A programmatic dependent launch may start while the kernel before it runs: compiled for sm_90 with PDL on
     (the op's launches on sm_90 and later, `compiled.launch`), each of the op's kernels in `resources.KERNELS` waits
-    (`griddepcontrol.wait`) before its first global load, store, async copy or atomic; with PDL off it holds no wait.
-    CUDA-graph capture and the timing are checked on the GPU (`bench op --check`, BENCHMARKS.md)."""
+    (`griddepcontrol.wait`) before its first global load, store, async copy or atomic, and with PDL 2 lets the next
+    launch start (`griddepcontrol.launch_dependents`) after the wait; with PDL off it holds neither. CUDA-graph
+    capture and the timing are checked on the GPU (`bench op --check`, BENCHMARKS.md)."""
     import re
 
     from mhla_diffusion.kernels import resources
@@ -188,10 +195,11 @@ def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
         first_rows.setdefault(row[0], row)
     assert len(first_rows) == 6  # the three token kernels, the mixing GEMM and the quadratic form's two
     for kernel, row in first_rows.items():
-        for pdl in (True, False):
+        for pdl in (2, 1, 0):
             ptx = resources.compile_row((kernel, row[1], {**row[2], "PDL": pdl}, *row[3:])).asm["ptx"]
-            wait = ptx.find("griddepcontrol.wait")
-            assert (wait >= 0) == pdl and wait < memory.search(ptx).start(), (kernel.__name__, pdl)
+            wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+            assert (wait >= 0) == (pdl > 0) and wait < memory.search(ptx).start(), (kernel.__name__, pdl)
+            assert (trigger > wait) == (pdl > 1) and (trigger >= 0) == (pdl > 1), (kernel.__name__, pdl)
 
 
 def test_head_tiles_cover_a_head_in_one_or_two_tensor_core_tiles_with_the_least_padding():
