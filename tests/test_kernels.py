@@ -181,7 +181,8 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
 
 def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
     """A programmatic dependent launch may start while the kernel before it runs: compiled for sm_90 with PDL on
-    (the op's launches on sm_90 and later, `compiled.launch`), each of the op's kernels in `resources.KERNELS` waits
+    (the op's launches on sm_90 and later, `compiled.launch`), each of the op's kernels (`resources.KERNELS`'s, the
+    Gram's and the norms' rstd) waits
     (`griddepcontrol.wait`) before its first global load, store, async copy or atomic, and with PDL 2 lets the next
     launch start (`griddepcontrol.launch_dependents`) after the wait; with PDL off it holds neither. CUDA-graph
     capture and the timing are checked on the GPU (`bench op --check`, BENCHMARKS.md)."""
@@ -189,14 +190,25 @@ def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
 
     from mhla_diffusion.kernels import resources
 
+    from mhla_diffusion.kernels import mhla
+
     memory = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
     first_rows = {}
     for row in resources.KERNELS.values():
         first_rows.setdefault(row[0], row)
     assert len(first_rows) == 6  # the three token kernels, the mixing GEMM and the quadratic form's two
-    for kernel, row in first_rows.items():
+    compiles = {kernel: lambda pdl, kernel=kernel, row=row: resources.compile_row(
+        (kernel, row[1], {**row[2], "PDL": pdl}, *row[3:])) for kernel, row in first_rows.items()}
+    # the Gram of the backward's summaries past 32 blocks, and the per-token rstd of the norms applied on the way
+    compiles[mhla._gram_kernel] = lambda pdl: resources.compile_for_hopper(
+        mhla._gram_kernel, dict(BLOCK_M=64, BLOCK_K=64, PRECISION="tf32", PDL=pdl), dict(num_warps=4, num_stages=3),
+        fp32_pointers={"out_ptr"})
+    compiles[mhla._rstd_kernel] = lambda pdl: resources.compile_for_hopper(
+        mhla._rstd_kernel, dict(D=128, BLOCK_N=32, BLOCK_D=128, PDL=pdl), dict(num_warps=4, num_stages=1),
+        fp32_pointers={"out_ptr"})
+    for kernel, compile_with in compiles.items():
         for pdl in (2, 1, 0):
-            ptx = resources.compile_row((kernel, row[1], {**row[2], "PDL": pdl}, *row[3:])).asm["ptx"]
+            ptx = compile_with(pdl).asm["ptx"]
             wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
             assert (wait >= 0) == (pdl > 0) and wait < memory.search(ptx).start(), (kernel.__name__, pdl)
             assert (trigger > wait) == (pdl > 1) and (trigger >= 0) == (pdl > 1), (kernel.__name__, pdl)
