@@ -132,9 +132,9 @@ def _recorded_dependent_kernel(x_ptr, n, BLOCK: "tl.constexpr", PDL: "tl.constex
                          ids=["sm_89", "sm_90", "sm_100", "MI300 (ROCm)"])
 def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_it(capability, hip, monkeypatch):
     """`compiled.launch` (no GPU here: the JIT and the kernel it compiles are recorders): a kernel with a PDL parameter
-    launches as a programmatic dependent launch (PDL=2, which also lets the next launch start early, and
-    launch_pdl=True: the compile option Triton's launcher reads) on sm_90 and later, through the JIT and then through
-    the kernel it compiled; PDL=1 with `compiled.CONFIG["trigger_dependents"]` off; an sm_89 card, an AMD card (whose
+    launches as a programmatic dependent launch (PDL=1, and launch_pdl=True: the compile option Triton's launcher
+    reads) on sm_90 and later, through the JIT and then through the kernel it compiled; PDL=2 (which also lets the next
+    launch start early) with `compiled.CONFIG["trigger_dependents"]` on; an sm_89 card, an AMD card (whose
     capability reads 9.4), a kernel without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch as
     before, under a key of their own."""
     from triton.runtime.jit import JITFunction
@@ -166,15 +166,15 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
     for _ in range(2):
         compiled.launch(waits, (2,), buf, 32, BLOCK=16)
     compiled.launch(plain, (2,), buf, 32, 1e-6, BLOCK=16)
-    with overridden(["compiled.CONFIG.trigger_dependents=False"]):
+    with overridden(["compiled.CONFIG.trigger_dependents=True"]):
         for _ in range(2):
             compiled.launch(waits, (2,), buf, 32, BLOCK=16)
     with overridden(["compiled.CONFIG.dependent_launch=False"]):
         for _ in range(2):
             compiled.launch(waits, (2,), buf, 32, BLOCK=16)
     if capability >= (9, 0) and hip is None:
-        assert launches == [("jit", 2, True), ("compiled", 2, 1), ("jit", 0, False), ("jit", 1, True),
-                            ("compiled", 1, 4), ("jit", 0, False), ("compiled", 0, 6)]
+        assert launches == [("jit", 1, True), ("compiled", 1, 1), ("jit", 0, False), ("jit", 2, True),
+                            ("compiled", 2, 4), ("jit", 0, False), ("compiled", 0, 6)]
     else:
         assert launches == [("jit", 0, False), ("compiled", 0, 1), ("jit", 0, False), *[("compiled", 0, 1)] * 4]
 
