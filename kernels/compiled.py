@@ -26,8 +26,9 @@ from triton.runtime.jit import JITFunction
 # before it, where a short sequence's op is a chain of small kernels. H100, session 45 (`bench op --versus`, CUDA-graph
 # replay, off -> on, ms): forward DiT-XL/2 512 px 0.0205 -> 0.0198, SANA-1.6B 1K 0.0260 -> 0.0247, DiT-XL/2 256 px
 # (one launch) 0.00829 -> 0.00802; forward+backward 0-3 % lower. "trigger_dependents": each such kernel also lets the
-# next launch start once all its programs have passed their wait, not once they exit (PDL=2); off until a GPU times it
-# (session 46 got no device for it: `bench op --versus compiled.CONFIG.trigger_dependents=True`).
+# next launch start once all its programs have passed their wait, not once they exit (PDL=2). Off: H100, session 46
+# (`bench op --versus compiled.CONFIG.trigger_dependents=True`, on / off) it went both ways: forward 1.104x at DiT-XL/2
+# 512 px and 0.977x at 256 px, f+b 1.090x at 256 px and 0.974x at 384 px, 0.98-1.01 at 1024 px, SANA 1K and Wan 480p.
 CONFIG = {"dependent_launch": True, "trigger_dependents": False}
 # (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,
 # each with its default)

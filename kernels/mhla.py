@@ -598,7 +598,9 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # 0.0939; every mixing launch on 2 stages then took the f+b 5 % lower and the forward 3-4 % higher, so the Gram's
 # launch alone takes 2 (sm_90: 219 -> 128 registers); H100, session 46: 2 -> 4 stages f+b 1.055-1.072x, 264 -> 132
 # programs 0.992-1.005x, 66: 1.071-1.075x. Up to "keep_up_to" blocks the backward takes the mixed summaries the
-# forward made (`keeps_mixed`).
+# forward made (`keeps_mixed`); H100, session 46 (`--versus mhla.CONFIG.mix.keep_up_to=0`, f+b ms, mixed again -> kept):
+# DiT-XL/2 384 px 0.0688 -> 0.0641, 512 px 0.0874 -> 0.0826, SANA-1.6B 1K 0.0895 -> 0.0852. 1056 programs instead of
+# 264: forward 1.065x at 512 px, 1.045x at SANA 1K.
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
