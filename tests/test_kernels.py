@@ -182,15 +182,12 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
 def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
     """A programmatic dependent launch may start while the kernel before it runs: compiled for sm_90 with PDL on
     (the op's launches on sm_90 and later, `compiled.launch`), each of the op's kernels (`resources.KERNELS`'s, the
-    Gram's and the norms' rstd) waits
-    (`griddepcontrol.wait`) before its first global load, store, async copy or atomic, and with PDL 2 lets the next
-    launch start (`griddepcontrol.launch_dependents`) after the wait; with PDL off it holds neither. CUDA-graph
-    capture and the timing are checked on the GPU (`bench op --check`, BENCHMARKS.md)."""
+    Gram's and the norms' rstd) waits (`griddepcontrol.wait`) before its first global load, store, async copy or
+    atomic, and with PDL 2 lets the next launch start (`griddepcontrol.launch_dependents`) after the wait; with PDL off
+    it holds neither. CUDA-graph capture and the timing are checked on the GPU (`bench op --check`, BENCHMARKS.md)."""
     import re
 
-    from mhla_diffusion.kernels import resources
-
-    from mhla_diffusion.kernels import mhla
+    from mhla_diffusion.kernels import mhla, resources
 
     memory = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
     first_rows = {}
