@@ -354,12 +354,12 @@ def _output_kernel(
 
 @triton.jit
 def _grad_kernel(
-    x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr,
+    x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr, ds_ptr, dz_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps,
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr,
-    WITH_DY: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WITH_DY: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, SUMMARIZE: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     _await_inputs(PDL)
@@ -386,6 +386,8 @@ def _grad_kernel(
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, x_ptr, vec, n, mask_n, d, mask_d, BLOCK_N,
                            BLOCK_D, ELU, ROPE, False)  # no norm: the x_ptr and vec stand-ins go unused
         p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        if STATS:
+            rden = 1.0 / (tl.sum(fx * vec[None, :], axis=1) + eps)
         for j in tl.static_range(DV_TILES):
             e = j * BLOCK_DV + e0
             mask_e = e < DV
@@ -399,11 +401,18 @@ def _grad_kernel(
                 dy = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
                 tl.store(dy_ptr + n[:, None] * sdyn + e[None, :], dy.to(dy_ptr.dtype.element_ty),
                          mask=mask_n[:, None] & mask_e[None, :])
+            if SUMMARIZE:  # the block in this one tile: dS~ = rope(phi(q))^T (dO / den)
+                if STATS:
+                    y = y * rden[:, None]
+                ds = tl.dot(tl.trans(rx.to(DOT)), y.to(DOT), input_precision=PRECISION)
+                tl.store(ds_ptr + (base * D + d[:, None]) * DV + e[None, :], ds.to(ds_ptr.dtype.element_ty),
+                         mask=mask_d[:, None] & mask_e[None, :])
         if STATS:  # q side, normalized: P = dO S~^T; den, 1/den and c = -(rq . P) / den^2 per token
-            rden = 1.0 / (tl.sum(fx * vec[None, :], axis=1) + eps)
             c = -tl.sum(rx * p, axis=1) * rden * rden
             tl.store(rden_ptr + bh * N + n, rden, mask=mask_n)
             tl.store(c_ptr + bh * N + n, c, mask=mask_n)
+            if SUMMARIZE:  # dz~ = sum of phi(q) c
+                tl.store(dz_ptr + base * D + d, tl.sum(fx * c[:, None], axis=0), mask=mask_d)
             p = p * rden[:, None]
         if ROPE:  # the tables are loaded again here: loading them once per tile measured 1-2 % slower (NOTES)
             p = _rope_t(p, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D)
@@ -600,11 +609,14 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # programs 0.992-1.005x, 66: 1.071-1.075x. Up to "keep_up_to" blocks the backward takes the mixed summaries the
 # forward made (`keeps_mixed`); H100, session 46 (`--versus mhla.CONFIG.mix.keep_up_to=0`, f+b ms, mixed again -> kept):
 # DiT-XL/2 384 px 0.0688 -> 0.0641, 512 px 0.0874 -> 0.0826, SANA-1.6B 1K 0.0895 -> 0.0852. 1056 programs instead of
-# 264: forward 1.065x at 512 px, 1.045x at SANA 1K.
+# 264: forward 1.065x at 512 px, 1.045x at SANA 1K. "grad": where blocks of at most "summarize_up_to" tokens fit one
+# token tile, the q-side grad launch also makes dO's summaries dS~, dz~, on "summarize_warps" (`block_grad`; not yet
+# timed).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
-    "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None},
+    "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
+             "summarize_warps": 8},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32,
@@ -794,10 +806,14 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
                               {**flags, "DV": g.DV}, launch)
 
 
-def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float):
-    """dx (and dy) of one side; with `stats`, also the per-token 1/den and c of the q side.
+def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float,
+               summarize: bool = False):
+    """dx (and dy) of one side; with `stats`, also the per-token 1/den and c of the q side. With `summarize`, where
+    each block fits one token tile (`summarizes`), also the q side's summaries as `block_summaries(x, y, rope, g,
+    with_z=stats, y_scale=rden, z_weight=c)` makes them, from the x and y tiles this launch holds: one launch and one
+    read of q and dO fewer in a short sequence's backward.
 
-    Returns (dx, dy or None, rden or None, c or None).
+    Returns (dx, dy or None, rden or None, c or None, (dS~, dz~) or None).
     """
     block_d, block_dv, _ = _full_d_tiles(g.D, g.DV)
     cfg = {**_config("grad", x.dtype, block_d, g.max_len, rope is not None), "block_dv": block_dv}
@@ -812,17 +828,36 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
 
     def launch(settings):
         tok = _tokens_per_program(g, settings["block_n"], g.BH * g.m_count, settings["programs"])
+        summaries = None
+        if summarize and summarizes(g, settings):  # blocks the slice misses, or holds none of, stay zero
+            summaries = (_summary_buffer((g.M, g.BH, g.D, g.DV), state_dtype(x.dtype), g, x.device, g.partial),
+                         _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, g.partial or not stats))
+        ds, dz = summaries or (dx, dx)
         compiled.launch(_grad_kernel, (g.BH, g.m_count, cdiv(g.max_len, tok)),
-            x, y, cos, sin, mat, vec, dx, dy, rden, c,
+            x, y, cos, sin, mat, vec, dx, dy, rden, c, ds, dz,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, BLOCK_N=settings["block_n"],
-            BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]), **flags,
-            **_launch(settings),
+            BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]), SUMMARIZE=summaries is not None,
+            **flags, **grad_options(settings, summaries is not None),
         )
+        return summaries
 
-    launch_within_card(_grad_kernel, x.device, cfg, step_tiles("grad"), {**flags, "DV": g.DV}, launch)
-    return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None)
+    summaries = launch_within_card(_grad_kernel, x.device, cfg, step_tiles("grad"), {**flags, "DV": g.DV}, launch)
+    return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None), summaries
+
+
+def grad_options(settings: dict, summarize: bool) -> dict:
+    """`_launch` options of a grad launch; one that also makes the summaries runs on settings["summarize_warps"]: its
+    D x Dv accumulator beside the token tile's P spilled on 4 warps (sm_90, DiT's d72 in 128-wide tiles: 255
+    registers and 720 bytes of stack; 223 registers on 8)."""
+    return {**_launch(settings), **({"num_warps": settings["summarize_warps"]} if summarize else {})}
+
+
+def summarizes(g: Geometry, settings: dict) -> bool:
+    """Whether the q-side grad launch on `settings` also makes the summaries of dO: each program holds one whole block
+    in one token tile, of at most settings["summarize_up_to"] tokens, so it stores them without atomics."""
+    return g.max_len <= min(settings["block_n"], settings["summarize_up_to"])
 
 
 def token_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -990,7 +1025,7 @@ def summary_forward(k, v, rope, g: Geometry, *, elu: bool, normalize: bool, k_no
 
 def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
     """dk, dv from the gradients of the summaries (complete: summed over ranks, for a slice)."""
-    dk, dv, _, _ = block_grad(k, v, ds, dz, rope, g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
+    dk, dv, *_ = block_grad(k, v, ds, dz, rope, g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
     return dk, dv
 
 
@@ -1017,9 +1052,10 @@ def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize
     `mixed`: the forward's (S~, z~ or None), or None to mix them again."""
     # unnormalized: z (zeros) and dz~ only stand in for the kernels' unused normalizer vectors, and are not mixed
     mixed_s, mixed_z = mixed or mix_summaries(mix, s, z if normalize else None, q.dtype)
-    dq, _, rden, c = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, stats=normalize,
-                                use_vec=normalize, with_dy=False, eps=eps)
-    ds_mixed, dz_mixed = block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden, z_weight=c)
+    dq, _, rden, c, summaries = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu,
+                                           stats=normalize, use_vec=normalize, with_dy=False, eps=eps, summarize=True)
+    ds_mixed, dz_mixed = summaries or block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden,
+                                                      z_weight=c)
     ds, dz, dmix = mix_back(mix, ds_mixed, dz_mixed if normalize else None, s, z if normalize else None, q.dtype)
     return dq, dmix.to(mix.dtype), ds, dz_mixed if dz is None else dz
 

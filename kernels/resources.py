@@ -42,11 +42,11 @@ from .sizes import cdiv, pow2
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
 # mixing matrix as the mixing kernel gets it and, since op._table, RoPE tables are bf16 for bf16 inputs.
-FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "zout_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr"}
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "zout_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr", "dz_ptr"}
 # Pointer types of a token-kernel call by input type: (the inputs' and outputs', pointers that are fp32). fp16 inputs
 # keep S and RoPE tables in fp32 (`mhla.state_dtype`, `op._table`).
 POINTER_TYPES = {torch.bfloat16: ("*bf16", FP32_POINTERS),
-                 torch.float16: ("*fp16", FP32_POINTERS | {"s_ptr", "mat_ptr", "cos_ptr", "sin_ptr"}),
+                 torch.float16: ("*fp16", FP32_POINTERS | {"s_ptr", "ds_ptr", "mat_ptr", "cos_ptr", "sin_ptr"}),
                  torch.float32: ("*fp32", FP32_POINTERS)}
 # Flags a row leaves off unless it turns them on: the RMSNorms applied on the way (`ops.norms`), and z out of the
 # summary product's padding column (`mhla.block_summaries`: Dv short of its tile, no RoPE, unweighted z).
@@ -99,6 +99,9 @@ KERNELS = {
         ATOMIC=False, D=72, DV=72), DIT_1024_BLOCK_TOKENS),
     "output d72": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True, D=72, DV=72),
                    DIT_BLOCK_TOKENS),
+    "grad dq d72, summaries": (mhla._grad_kernel, "grad", dict(  # dS~ and dz~ of the one-tile blocks in the launch
+        DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False, SUMMARIZE=True, D=72, DV=72),
+        DIT_BLOCK_TOKENS),
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),
     # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) on bf16 S at the 14B model's 252 blocks,
@@ -263,9 +266,10 @@ def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
     off = {k: v for k, v in OFF.items() if k in kernel.arg_names}
     pointers, fp32 = POINTER_TYPES[dtype]
     head_align = mhla.head_align(torch.empty((1, 1, 1, shape["D"]), device="meta"))
+    options = mhla.grad_options(settings, True) if constexprs.get("SUMMARIZE") else mhla._launch(settings)
     return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles,
                                        **_head_strides(kernel, shape["D"]), "HEAD_ALIGN": head_align},
-                              mhla._launch(settings), fp32, target=target, pointer_type=pointers)
+                              options, fp32, target=target, pointer_type=pointers)
 
 
 def _head_strides(kernel, d: int) -> dict:

@@ -52,23 +52,26 @@ def _inputs(heads, d, grid, blocks):
 
 def stages(name: str) -> dict:
     """Median ms of each kernel / GEMM of one forward and backward (where `mhla.keeps_mixed` does not hold, the
-    backward runs the forward's mix stage once more)."""
+    backward runs the forward's mix stage once more). Where the q-side grad launch also makes dO's summaries
+    (`mhla.summarizes`), "bwd: dq + stats" includes them and there is no "bwd: dS~ summaries"."""
     heads, d, grid, blocks = SHAPES[name]
     q, k, v, do, mix = _inputs(heads, d, grid, blocks)
     g = mhla.Geometry(q, v, block_geometry(grid, blocks))
     kw = dict(elu=False, eps=1e-6)
     s, z = mhla.block_summaries(k, v, None, g, elu=False, with_z=True)
     ms, mz = mhla.mix_summaries(mix, s, z, q.dtype)
-    dq, _, rden, c = mhla.block_grad(q, do, ms, mz, None, g, stats=True, use_vec=True, with_dy=False, **kw)
-    dms, dmz = mhla.block_summaries(q, do, None, g, elu=False, with_z=True, y_scale=rden, z_weight=c)
+    dq, _, rden, c, summaries = mhla.block_grad(q, do, ms, mz, None, g, stats=True, use_vec=True, with_dy=False,
+                                                summarize=True, **kw)
+    apart = {} if summaries else {"bwd: dS~ summaries": lambda: mhla.block_summaries(
+        q, do, None, g, elu=False, with_z=True, y_scale=rden, z_weight=c)}
+    dms, dmz = summaries or apart["bwd: dS~ summaries"]()
     timed = {
         "fwd: summaries": lambda: mhla.block_summaries(k, v, None, g, elu=False, with_z=True),
         "fwd: mix (S and z)": lambda: mhla.mix_summaries(mix, s, z, q.dtype),
         "fwd: output": lambda: mhla.block_output(q, ms, mz, None, g, normalize=True, out_dtype=q.dtype, **kw),
         "bwd: dq + stats": lambda: mhla.block_grad(q, do, ms, mz, None, g, stats=True, use_vec=True, with_dy=False,
-                                                   **kw),
-        "bwd: dS~ summaries": lambda: mhla.block_summaries(q, do, None, g, elu=False, with_z=True, y_scale=rden,
-                                                           z_weight=c),
+                                                   summarize=True, **kw),
+        **apart,
         "bwd: mix^T, dmix": lambda: mhla.mix_back(mix, dms, dmz, s, z, q.dtype),
         "bwd: dk, dv": lambda: mhla.block_grad(k, v, ms, mz, None, g, stats=False, use_vec=True, with_dy=True, **kw),
     }
@@ -96,7 +99,7 @@ def tune(kernel: str, shape: str) -> None:
     """Coordinate descent over SWEEP on the summed time of the kernel's stages; leaves the best in CONFIG."""
     def cost():
         times = stages(shape)
-        return sum(times[k] for k in KERNEL_STAGES[kernel])
+        return sum(times.get(k, 0.0) for k in KERNEL_STAGES[kernel])
 
     best = cost()
     for key, values in SWEEP.items():

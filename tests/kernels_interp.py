@@ -249,11 +249,20 @@ def stage_case(launch):
     errors["output"] = rel(o, naive.reference_output(x, mat, vec, rope, g, elu=True, normalize=True, eps=1e-6))
 
     for stats, with_dy in ((True, False), (False, True)):
-        got = mhla.block_grad(x, y, mat, vec, rope, g, elu=True, stats=stats, use_vec=True, with_dy=with_dy, eps=1e-6)
+        got = mhla.block_grad(x, y, mat, vec, rope, g, elu=True, stats=stats, use_vec=True, with_dy=with_dy, eps=1e-6,
+                              summarize=True)
         want = naive.reference_grad(x, y, mat, vec, rope, g, elu=True, stats=stats, use_vec=True, eps=1e-6)
         for name, a, b in zip(("dx", "dy", "rden", "c"), got, want):
             if a is not None:
                 errors[f"grad stats={stats} {name}"] = rel(a, b)
+        # the summaries of y the launch makes where each block is one token tile (`mhla.summarizes`), with the 1/den
+        # and c it computes (z: zeros without them)
+        summaries = got[4]
+        assert (summaries is not None) == mhla.summarizes(g, mhla._config("grad", x.dtype, 32, g.max_len)), "summaries"
+        if summaries is not None:
+            ref = naive.reference_summaries(x, y, rope, g, elu=True, y_scale=got[2], z_weight=got[3])
+            errors[f"grad stats={stats} dS~"] = rel(summaries[0], ref[0])
+            errors[f"grad stats={stats} dz~"] = rel(summaries[1], ref[1]) if stats else summaries[1].abs().max().item()
 
     a, b = torch.randn(g.M, g.BH, d, dv, generator=gen), torch.randn(g.M, g.BH, d, dv, generator=gen)
     errors["gram"] = rel(mhla.block_gram(a, b, torch.float32), torch.einsum("ibde,jbde->ij", a.double(), b.double()))
@@ -264,20 +273,25 @@ def mixing_kernel_op_case():
     """The op where its mixing runs on `_mix_kernel` (bf16 summaries at up to CONFIG["mix"]["fold_up_to"] blocks on a
     GPU; here fp32 ones let through, which the interpreter multiplies exactly): its backward mixes dS~ (and dz~) back
     and forms dmix in one launch, no `_gram_kernel`, normalized and not, against the fp64 reference; with the
-    forward's S~ and z~ (`mhla.keeps_mixed`) or mixing them again."""
+    forward's S~ and z~ (`mhla.keeps_mixed`) and dS~, dz~ from the q-side grad launch (`mhla.summarizes`), or mixing
+    S~ and z~ again and summarizing dO in a launch of its own."""
     errors = {}
     allowed = mhla.mixes_with_kernel
     mhla.mixes_with_kernel = lambda s: s.shape[0] <= mhla.CONFIG["mix"]["fold_up_to"]
     try:
-        for normalize, keep_up_to in ((True, 32), (False, 32), (True, 0)):
+        for normalize, keep_up_to, summarize_up_to in ((True, 32, 64), (False, 32, 64), (True, 0, 0)):
             with (overriding(mhla.CONFIG["mix"], keep_up_to=keep_up_to), counting(mhla, "block_gram") as grams,
-                  counting(mhla, "mix_with_kernel") as mixes):
+                  overriding(mhla.CONFIG["grad"], summarize_up_to=summarize_up_to, block_n=32),
+                  counting(mhla, "mix_with_kernel") as mixes, counting(mhla, "block_summaries") as summaries):
                 found = op_case((2, 5, 7), (1, 2, 3), 2, 16, 24, normalize=normalize, feature="elu", seed=3)
-            errors.update({f"normalize={normalize} keep_up_to={keep_up_to} {k}": v for k, v in found.items()
-                           if k != "dtype"})
+            errors.update({f"normalize={normalize} keep_up_to={keep_up_to} summarize_up_to={summarize_up_to} {k}": v
+                           for k, v in found.items() if k != "dtype"})
             # the forward's mixing, the backward's (S~ again unless kept; then dS~ back with dmix), the no-grad forward's
             expected = (0, 3 if keep_up_to else 4)
             assert (grams.calls, mixes.calls) == expected, f"Gram launches {grams.calls}, mixing launches {mixes.calls}"
+            # the summaries of k twice; of dO unless the q-side grad launch made them (blocks of up to 18 tokens in one
+            # 32-token tile; SPLIT, an earlier case's, leaves 16)
+            assert summaries.calls == (2 if summarize_up_to else 3), f"summary launches {summaries.calls}"
     finally:
         mhla.mixes_with_kernel = allowed
     return errors

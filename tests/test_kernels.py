@@ -452,6 +452,8 @@ def test_resource_report_builds_hopper_binaries_without_a_gpu(tmp_path, capsys):
     warps = resources.row_settings(resources.KERNELS["summary fwd d72, 1024 px"])[0]["num_warps"]
     assert 2 * 32 * warps * int(row["regs"]) <= 65536 and int(row["stack B"]) == 0, (warps, row)
     assert int(rows["output d72"]["LDG.E.128"]) > 0 and int(rows["output d72"]["LDG.E.U16"]) == 0
+    # DiT-XL/2 512 px's q-side gradients making dO's summaries in the same launch, on its own warps: nothing spilled
+    assert int(rows["grad dq d72, summaries"]["stack B"]) == 0, rows["grad dq d72, summaries"]
     row = rows["mix bf16"]  # 16-byte loads (no 2-byte mix loads either), no spill
     assert int(row["stack B"]) == 0 and int(row["LDG.E.128"]) > 0 and int(row["LDG.E.U16"]) == 0, row
     row = rows["mix bf16 z folded"]  # S's and z's walks both pipelined (async copies), nothing spilled, 4+ programs/SM
