@@ -610,13 +610,16 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # forward made (`keeps_mixed`); H100, session 46 (`--versus mhla.CONFIG.mix.keep_up_to=0`, f+b ms, mixed again -> kept):
 # DiT-XL/2 384 px 0.0688 -> 0.0641, 512 px 0.0874 -> 0.0826, SANA-1.6B 1K 0.0895 -> 0.0852. 1056 programs instead of
 # 264: forward 1.065x at 512 px, 1.045x at SANA 1K. "grad": where blocks of at most "summarize_up_to" tokens fit one
-# token tile, the q-side grad launch also makes dO's summaries dS~, dz~, on "summarize_warps" (`block_grad`; not yet
-# timed).
+# token tile, the q-side grad launch also makes dO's summaries dS~, dz~ (`block_grad`), on "summarize_warps" where its
+# D x Dv tile is over "summarize_wide_over" elements (`grad_options`). H100, session 47 (`--versus`, f+b ms; a launch of
+# their own -> in the grad launch; DiT's 128 x 128 tiles on 8 warps, SANA's 32 x 32 on 4): DiT-XL/2 384 px 0.0633 ->
+# 0.0593, 512 px 0.0816 -> 0.0785, 1024 px 0.225 -> 0.211, SANA-1.6B 1K 0.0842 -> 0.0805; DiT on 4 warps 1.28-1.51x,
+# SANA on 8 warps 1.34x.
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
-             "summarize_warps": 8},
+             "summarize_warps": 8, "summarize_wide_over": 64 * 64},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32,
@@ -839,7 +842,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, BLOCK_N=settings["block_n"],
             BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]), SUMMARIZE=summaries is not None,
-            **flags, **grad_options(settings, summaries is not None),
+            **flags, **grad_options(settings, summaries is not None, block_d),
         )
         return summaries
 
@@ -847,11 +850,13 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
     return dx, (dy if with_dy else None), (rden if stats else None), (c if stats else None), summaries
 
 
-def grad_options(settings: dict, summarize: bool) -> dict:
-    """`_launch` options of a grad launch; one that also makes the summaries runs on settings["summarize_warps"]: its
-    D x Dv accumulator beside the token tile's P spilled on 4 warps (sm_90, DiT's d72 in 128-wide tiles: 255
-    registers and 720 bytes of stack; 223 registers on 8)."""
-    return {**_launch(settings), **({"num_warps": settings["summarize_warps"]} if summarize else {})}
+def grad_options(settings: dict, summarize: bool, block_d: int) -> dict:
+    """`_launch` options of a grad launch; one that also makes the summaries over D x Dv tiles of more than
+    settings["summarize_wide_over"] elements runs on settings["summarize_warps"]: its fp32 D x Dv accumulator beside
+    the token tile's P spilled on 4 warps (sm_90, DiT's d72 in 128 x 128 tiles: 255 registers and 720 bytes of stack;
+    223 registers on 8)."""
+    wide = summarize and block_d * settings["block_dv"] > settings["summarize_wide_over"]
+    return {**_launch(settings), **({"num_warps": settings["summarize_warps"]} if wide else {})}
 
 
 def summarizes(g: Geometry, settings: dict) -> bool:

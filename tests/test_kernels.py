@@ -916,8 +916,12 @@ def test_the_forward_summaries_take_z_from_the_products_padding_column(dims, rop
     """Through `mhla_attention(backend="triton")`, forward and backward: the summary launch takes z out of its product
     (Z_IN_DOT: y loaded with ones past Dv) exactly where that is z, a forward's unweighted sum of unrotated features
     with a padding column to hold it; elsewhere the per-token z tile. The launches are recorded, not run (values:
-    kernels_interp.py, "stages" and the D=136 / Dv=72 op case)."""
+    kernels_interp.py, "stages" and the D=136 / Dv=72 op case). The backward's summaries get a launch of their own
+    here as in blocks over one token tile (`mhla.summarizes`)."""
+    from mhla_diffusion.kernels import mhla
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(mhla.CONFIG["grad"], "summarize_up_to", 0)
     launches = _record_launches(monkeypatch)
     d, dv = dims
     grid, blocks = (1, 6, 8), (1, 2, 2)
@@ -928,6 +932,35 @@ def test_the_forward_summaries_take_z_from_the_products_padding_column(dims, rop
                          backend="triton")
     out.sum().backward()
     assert [kwargs["Z_IN_DOT"] for _, kwargs in launches["_summary_kernel"]] == [forward, backward]
+
+
+@pytest.mark.parametrize(("heads", "d", "side", "warps"), [
+    (16, 72, 32, 8),  # DiT-XL/2 512 px: 30 blocks of up to 42 tokens, a 128 x 128 D x Dv tile
+    (70, 32, 32, 4),  # SANA-1.6B 1K: 32 x 32
+    (16, 72, 64, 8),  # DiT-XL/2 1024 px: 64 blocks of 64 tokens
+    (16, 72, 96, None),  # 1536 px: 90 blocks of up to 110 tokens, over one token tile
+], ids=["dit 512", "sana 1k", "dit 1024", "dit 1536"])
+def test_the_q_side_grad_launch_makes_the_summaries_of_do_where_each_block_is_one_token_tile(heads, d, side, warps,
+                                                                                             monkeypatch):
+    """Through `mhla_attention(backend="triton")`, bf16, forward and backward: where every block fits one 64-token
+    tile, the q-side grad launch also makes dS~ and dz~ (SUMMARIZE), so the backward runs no summary launch of its own
+    (one launch and one read of q and dO fewer: H100, f+b 4-6 % lower at DiT-XL/2 384-1024 px and SANA-1.6B 1K), on
+    8 warps for DiT's 128 x 128 D x Dv tile (4 spilled it and ran 1.3-1.5x slower) and CONFIG's 4 for SANA's 32 x 32
+    (8 ran 1.34x slower); longer blocks keep the launch of their own. The launches are recorded, not run (values:
+    kernels_interp.py, "stages" and "mixing kernel in the op"; `bench op --check` on the GPU)."""
+    from mhla_diffusion.blocks import resolve_blocks
+    from mhla_diffusion.kernels import mhla
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = _record_launches(monkeypatch)
+    q, k, v = (torch.randn(1, side * side, heads, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grid = (1, side, side)
+    blocks = resolve_blocks(grid, "auto")
+    mhla_attention(q, k, v, locality_mix(blocks).float(), grid, blocks, backend="triton").float().sum().backward()
+    q_side, kv_side = launches["_grad_kernel"]
+    assert [q_side[1]["SUMMARIZE"], kv_side[1]["SUMMARIZE"]] == [warps is not None, False]
+    assert q_side[1]["num_warps"] == (warps or mhla.CONFIG["grad"]["num_warps"])
+    assert len(launches["_summary_kernel"]) == (1 if warps else 2)
 
 
 @pytest.mark.parametrize(("dims", "width", "align"), [
