@@ -67,13 +67,17 @@ def test_sharded_matches_one_process(world, tmp_path):
 def test_sharded_kernels_match_unsharded(world, tmp_path):
     """Each rank's kernels walk its slice's tokens of each block (some slices start mid-block), one all-reduce
     completes the summaries, and the backward's completes their gradients: o and all gradients match the
-    unsharded kernels to fp32 rounding, normalized and not, with RoPE and without."""
+    unsharded kernels to fp32 rounding, normalized and not, with RoPE and without; with dO's summaries of each slice
+    made in the q-side grad launch (each rank's blocks in one token tile: one summary launch a rank, k's) and in
+    their own."""
     results = run_ranks("sp_kernels_worker.py", world, tmp_path)
     grid, blocks = results["grid"], results["blocks"]
     assert starts_mid_block(grid, blocks, world) and results["cases"]
     starts = [[token_range(math.prod(grid), world, rank)[0]] for rank in range(world)]
     for case, r in results["cases"].items():
         assert r["starts"] == starts, f"{case}: the Triton kernels did not run once per rank on its slice"
+        if "split" not in case:  # split: per rank, as its slice's longest block fits a 16-token tile or not
+            assert r["summary launches"] == [1] * world, f"{case}: {r['summary launches']}"
         bad = {name: err for name, err in r["errors"].items() if not err < 1e-6}
         assert not bad, f"{case}: relative errors {bad}"
 

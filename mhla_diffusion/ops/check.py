@@ -43,6 +43,8 @@ CASES = [
     ("dit-xl-256", 16, 72, 72, (1, 16, 16), "auto", {}),  # short grids: the quadratic form (kernels/parallel.py)
     ("dit-xl-384 elu", 16, 72, 72, (1, 24, 24), "auto", {"feature": "elu"}),  # its forward over 256 tokens
     ("dit-xl-1024", 16, 72, 72, (1, 64, 64), "auto", {}),  # 64-token blocks: mhla.SHORT_CONFIG's settings
+    # slices of one-tile blocks: each rank's q-side grad launch makes its share of dO's summaries (`mhla.summarizes`)
+    ("dit-xl-512 elu, 3 ranks", 16, 72, 72, (1, 32, 32), "auto", {"feature": "elu", "ranks": 3}),
     # the case before with q, k, v one element past 16-byte alignment: the kernels Triton compiled for the aligned
     # ones must not be launched on them (`kernels/compiled.py`'s key)
     ("dit-xl-1024, inputs off 16-byte alignment", 16, 72, 72, (1, 64, 64), "auto", {"offset": 1}),
