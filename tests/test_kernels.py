@@ -765,7 +765,7 @@ def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(m
     ds_mixed, dz_mixed = torch.randn(m, 2, 8, 8, dtype=torch.bfloat16), torch.rand(m, 2, 8)
     monkeypatch.setattr(mhla, "block_output", lambda q, s, z, *a, **kw: seen.append(z) or q)
     monkeypatch.setattr(mhla, "block_grad",
-                        lambda x, y, s, z, *a, **kw: seen.append(z) or (x, None, x[..., 0], x[..., 0]))
+                        lambda x, y, s, z, *a, **kw: seen.append(z) or (x, None, x[..., 0], x[..., 0], None))
     monkeypatch.setattr(mhla, "block_summaries", lambda q, do, *a, **kw: (ds_mixed, dz_mixed))
     grid, blocks = (1, 10, 12), (1, 5, 6)
     q = torch.randn(1, 120, 2, 8, dtype=torch.bfloat16)
