@@ -614,10 +614,12 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # D x Dv tile is over "summarize_wide_over" elements (`grad_options`). H100, session 47 (`--versus`, f+b ms; a launch of
 # their own -> in the grad launch; DiT's 128 x 128 tiles on 8 warps, SANA's 32 x 32 on 4): DiT-XL/2 384 px 0.0633 ->
 # 0.0593, 512 px 0.0816 -> 0.0785, 1024 px 0.225 -> 0.211, SANA-1.6B 1K 0.0842 -> 0.0805; DiT on 4 warps 1.28-1.51x,
-# SANA on 8 warps 1.34x.
+# SANA on 8 warps 1.34x. "output": "fit_block" puts blocks of at most 32 tokens on 32-token tiles (`block_output`); H100,
+# session 47 (`--versus mhla.CONFIG.output.block_n=32`, f+b ms): DiT-XL/2 384 px (30-token blocks) 0.0592 -> 0.0573;
+# at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64.
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
-    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None},
+    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None, "fit_block": True},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
              "summarize_warps": 8, "summarize_wide_over": 64 * 64},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
@@ -785,6 +787,8 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
         raise ValueError(f"the output kernel tiles Dv = {g.DV} (D = {g.D}) and cannot apply the output norm")
     cfg = {**_config("output", q.dtype, block_d, g.max_len, rope is not None,
                      norms=q_norm is not None or out_norm is not None), "block_dv": block_dv}
+    if cfg["fit_block"]:  # blocks of at most 32 tokens on 32-token tiles, not half-empty 64-token ones
+        cfg["block_n"] = min(cfg["block_n"], max(32, pow2(g.max_len)))
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
     cos, sin, cs = _rope_args(rope, g, q)
     dot, precision = _dot_types(q.dtype)
