@@ -39,7 +39,9 @@ from .sizes import cdiv, head_tiles, pow2
 # and 33), us per kernel (CUDA-graph replay), the linear path's whole op for comparison:
 # - forward: 64 x 64 on 8 warps at up to 256 tokens (DiT-XL/2 256 px: 13.3, against 26.7 for the linear path);
 #   over that 128 queries on 8 warps ("forward_long": 576 tokens 32.4 against 53.2 at 64 x 64 and 38.8 linear;
-#   1,024 tokens 53.6 against 51.0 linear, so the limit without gradients is 576, the longest win measured).
+#   1,024 tokens 53.6 against 51.0 linear). Captured and compiled calls without gradients ("max_tokens") take it
+#   up to 256 tokens: at 576 the linear path, on 32-token output tiles since session 47, is ahead (H100, `bench op
+#   --versus parallel.CONFIG.max_tokens=256`, 7 rounds, DiT-XL/2 384 px forward 0.0167 -> 0.0147 ms; cuDNN 0.0150).
 # - dq: 64 x 64 on 8 warps (15.5 at 256 tokens); dk, dv, dmix: 32 keys walking queries by 64 on 4 warps (26.7
 #   against 31.8 at 64 x 64 on 8); for heads of up to 32 features (SANA's) 64 keys (25.4 against 35.9 at SANA-1.6B
 #   512 px; 37.6 against 23.2 at DiT's 72). With gradients the form wins at 256 tokens only: at 576 the key kernel alone
@@ -69,7 +71,7 @@ CONFIG = {
     "grad_keys": dict(own=32, walk=64, num_warps=4, num_stages=2),
     "grad_keys_narrow": dict(own=64, walk=64, num_warps=4, num_stages=2),
     "narrow_up_to": 32,
-    "max_tokens": 576,
+    "max_tokens": 256,
     "max_tokens_eager": 1024,
     "max_tokens_with_grad": 256,
     "split_heads": ("forward", "grad_queries"),

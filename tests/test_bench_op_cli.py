@@ -153,7 +153,8 @@ def test_versus_times_each_candidate_in_turn_on_top_of_the_settings_in_force(mon
     monkeypatch.setattr(bench, "time_op", time_op)
     split = "parallel.CONFIG.split_heads=('forward',)"
     assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--rounds", "3", "--set", "parallel.CONFIG.long_over=128",
-                 "--versus", "parallel.CONFIG.max_tokens=256", f"parallel.CONFIG.max_tokens=1024; {split}"]) == 0
+                 "parallel.CONFIG.max_tokens=576", "--versus", "parallel.CONFIG.max_tokens=256",
+                 f"parallel.CONFIG.max_tokens=1024; {split}"]) == 0
     settings = [(576, shipped["split_heads"]), (256, shipped["split_heads"]), (1024, ("forward",))]
     order = [2, 0, 1, 0, 1, 2, 1, 2, 0, 2, 0, 1]  # warm-up, then rounds 1-3
     assert seen == [(*settings[i], 128, backward) for i in order for backward in (False, True)]
@@ -276,7 +277,7 @@ def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypat
     ("parallel.CONFIG.split_heads=True",
      "parallel.CONFIG.split_heads holds ('forward', 'grad_queries') (tuple), not True (bool)"),
     ("parallel.CONFIG.split_heads=('fwd',)", "names kernels of ('forward', 'grad_queries', 'grad_keys'), not ['fwd']"),
-    ("parallel.CONFIG.max_tokens=None", "parallel.CONFIG.max_tokens takes no None (it holds 576)"),
+    ("parallel.CONFIG.max_tokens=None", "parallel.CONFIG.max_tokens takes no None (it holds 256)"),
     ("parallel.CONFIG.forward={}", "parallel.CONFIG.forward holds keys; set one of them"),
     ("mhla.SHORT_CONFIG.mix.programs=4", "mhla.SHORT_CONFIG has no key 'mix' (it has grad, output, summary)"),
     ("parallel.CONFIG.max_tokens.own=64", "parallel.CONFIG.max_tokens holds a value, not keys"),

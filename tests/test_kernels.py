@@ -1012,7 +1012,7 @@ def test_every_token_launch_marks_the_head_offset_as_aligned_as_all_its_tensors_
 
 def test_short_calls_take_the_quadratic_form_and_everything_else_the_linear_path(monkeypatch):
     """Through `mhla_attention(backend="triton")`: bf16 calls over a whole grid of up to `parallel.CONFIG["max_tokens"]`
-    tokens without gradients in a CUDA graph's capture (576; `"max_tokens_eager"`, 1024, run as called;
+    tokens without gradients in a CUDA graph's capture (256; `"max_tokens_eager"`, 1024, run as called;
     `"max_tokens_with_grad"`, 256, with gradients) take the quadratic op; with RoPE, for fp32 inputs and past those
     lengths, the linear path. Calls are recorded, not run (values: kernels_interp.py, "parallel form", and `bench op
     --check` for bf16); the capture is what torch.cuda answers during one."""
