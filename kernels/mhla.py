@@ -608,7 +608,9 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # launch alone takes 2 (sm_90: 219 -> 128 registers); H100, session 46: 2 -> 4 stages f+b 1.055-1.072x, 264 -> 132
 # programs 0.992-1.005x, 66: 1.071-1.075x. Up to "keep_up_to" blocks the backward takes the mixed summaries the
 # forward made (`keeps_mixed`); H100, session 46 (`--versus mhla.CONFIG.mix.keep_up_to=0`, f+b ms, mixed again -> kept):
-# DiT-XL/2 384 px 0.0688 -> 0.0641, 512 px 0.0874 -> 0.0826, SANA-1.6B 1K 0.0895 -> 0.0852. 1056 programs instead of
+# DiT-XL/2 384 px 0.0688 -> 0.0641, 512 px 0.0874 -> 0.0826, SANA-1.6B 1K 0.0895 -> 0.0852; session 47, 32 -> 64
+# blocks: DiT-XL/2 1024 px (64 blocks) 0.209 -> 0.195 (7 rounds), folding z and the Gram there too ("fold_up_to",
+# "gram_up_to" 64: the launch spills on sm_90, 248-352 B) no faster (0.194; alone 0.998x). 1056 programs instead of
 # 264: forward 1.065x at 512 px, 1.045x at SANA 1K. "grad": where blocks of at most "summarize_up_to" tokens fit one
 # token tile, the q-side grad launch also makes dO's summaries dS~, dz~ (`block_grad`), on "summarize_warps" where its
 # D x Dv tile is over "summarize_wide_over" elements (`grad_options`). H100, session 47 (`--versus`, f+b ms; a launch of
@@ -625,7 +627,7 @@ CONFIG = {
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32,
-            "gram": {"num_stages": 2, "programs": 264}, "keep_up_to": 32},
+            "gram": {"num_stages": 2, "programs": 264}, "keep_up_to": 64},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
@@ -1041,8 +1043,8 @@ def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: b
 def keeps_mixed(m: int) -> bool:
     """Whether a call of m blocks recorded for autograd keeps the mixed summaries (S~, z~) its forward made for its
     backward rather than the backward mixing them again: up to CONFIG["mix"]["keep_up_to"] blocks, where that launch
-    is a tenth of a short sequence's forward+backward and S~ is no larger than S (no more than v where blocks hold at
-    least D tokens)."""
+    is 5-10 % of a short sequence's forward+backward and S~ is no larger than S (M D Dv: v's bytes, N Dv, times D over
+    the tokens a block holds, so 1.13x v at DiT-XL/2 1024 px's 64-token blocks)."""
     return m <= CONFIG["mix"]["keep_up_to"]
 
 

@@ -803,7 +803,7 @@ def _aten_calls(fn) -> list:
 
 
 @pytest.mark.parametrize("route", ["body", "custom op"])
-@pytest.mark.parametrize("m", [6, 30, 33])
+@pytest.mark.parametrize("m", [6, 64, 65])
 def test_the_backward_takes_the_forwards_mixed_summaries_at_short_sequences_and_no_zeros(route, m, monkeypatch):
     """Through the output op with autograd, at up to CONFIG["mix"]["keep_up_to"] blocks the backward gets the S~
     and z~ its forward mixed (`mhla.keeps_mixed`: one mixing launch fewer; kernels_interp.py, "mixing kernel in the
