@@ -5,7 +5,7 @@ summaries S, z, block-major (M, B*heads, ...), z fp32) and `mhla_output` (q, mix
 so that a context-parallel call can sum one rank's partial summaries over the ranks between them with a
 differentiable all-reduce, whose backward sums the summaries' gradients the same way before the
 summaries' backward (dk, dv) reads them; an unsharded call is the slice [0, N) with nothing between.
-Besides the inputs, the backward keeps only S and z, and at short sequences the mixed S~ and z~ (`mhla.keeps_mixed`).
+Besides the inputs, the backward keeps only S and z, and the mixed S~ and z~ where `mhla.keeps_mixed`.
 Gradients flow to q, k, v and mix; RoPE tables get none.
 A short sequence over its whole grid takes a third op instead, `mhla_parallel` (`parallel.py`: MHLA's quadratic
 form, one launch forward and two backward; its backward keeps its output and 1 / den per query).
@@ -275,7 +275,7 @@ def _save_output_inputs(ctx, inputs, output):
     q, mix, s, z, cos, sin, q_weight, _, out_gain, _, *options = inputs
     _forward_only(q_weight, out_gain)
     ctx.set_materialize_grads(False)  # no zeros made for S~ and z~, which nothing differentiates
-    mixed = output[1:] if mhla.keeps_mixed(s.shape[0]) else (None, None)
+    mixed = output[1:] if mhla.keeps_mixed(s.shape[0], q.shape[1], q.shape[-1]) else (None, None)
     ctx.save_for_backward(q, mix, s, z, *mixed, cos, sin)
     ctx.options = options
 
