@@ -613,12 +613,12 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # "gram_up_to" 64: the launch spills on sm_90, 248-352 B) no faster (0.194; alone 0.998x); "keep_within_v" (session 47,
 # `--versus mhla.CONFIG.mix.keep_up_to=256`, f+b ms): SANA-1.6B 4K 0.820 -> 0.791, Wan2.1-1.3B 480p at the model's 180
 # blocks 1.229 -> 1.154, Wan2.1-14B 720p at 252: 6.566 -> 6.284. 1056 programs instead of 264: forward 1.065x at
-# 512 px, 1.045x at SANA 1K. "grad": where blocks of at most "summarize_up_to" tokens fit one
-# token tile, the q-side grad launch also makes dO's summaries dS~, dz~ (`block_grad`), on "summarize_warps" where its
-# D x Dv tile is over "summarize_wide_over" elements (`grad_options`). H100, session 47 (`--versus`, f+b ms; a launch of
-# their own -> in the grad launch; DiT's 128 x 128 tiles on 8 warps, SANA's 32 x 32 on 4): DiT-XL/2 384 px 0.0633 ->
-# 0.0593, 512 px 0.0816 -> 0.0785, 1024 px 0.225 -> 0.211, SANA-1.6B 1K 0.0842 -> 0.0805; DiT on 4 warps 1.28-1.51x,
-# SANA on 8 warps 1.34x. "output": "fit_block" puts blocks of at most 32 tokens on 32-token tiles (`block_output`);
+# 512 px, 1.045x at SANA 1K. "grad": where blocks of at most "summarize_up_to" tokens fit one token tile, the q-side
+# grad launch also makes dO's summaries dS~, dz~ (`block_grad`), on "summarize_warps" where its D x Dv tile is over
+# "summarize_wide_over" elements (`grad_options`). H100, session 47 (`--versus`, f+b ms; a launch of their own -> in
+# the grad launch; DiT's 128 x 128 tiles on 8 warps, SANA's 32 x 32 on 4): DiT-XL/2 384 px 0.0633 -> 0.0593, 512 px
+# 0.0816 -> 0.0785, 1024 px 0.225 -> 0.211, SANA-1.6B 1K 0.0842 -> 0.0805; DiT on 4 warps 1.28-1.51x, SANA on 8 warps
+# 1.34x. "output": "fit_block" puts blocks of at most 32 tokens on 32-token tiles (`block_output`);
 # H100, session 47 (`--versus mhla.CONFIG.output.block_n=32`, f+b ms): DiT-XL/2 384 px (30-token blocks) 0.0592 ->
 # 0.0573; at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64.
 CONFIG = {

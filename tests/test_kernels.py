@@ -936,6 +936,22 @@ def test_the_forward_summaries_take_z_from_the_products_padding_column(dims, rop
     assert [kwargs["Z_IN_DOT"] for _, kwargs in launches["_summary_kernel"]] == [forward, backward]
 
 
+def _recorded_square_call(monkeypatch, side: int, heads: int, d: int, backward: bool) -> dict:
+    """The kernel launches (`_record_launches`, none run) of one bf16 `mhla_attention(backend="triton")` call with
+    gradients over a (1, side, side) grid in its 'auto' blocks, and of its backward where `backward`."""
+    from mhla_diffusion.blocks import resolve_blocks
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = _record_launches(monkeypatch)
+    q, k, v = (torch.randn(1, side * side, heads, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grid = (1, side, side)
+    blocks = resolve_blocks(grid, "auto")
+    out = mhla_attention(q, k, v, locality_mix(blocks).float(), grid, blocks, backend="triton")
+    if backward:
+        out.float().sum().backward()
+    return launches
+
+
 @pytest.mark.parametrize(("heads", "d", "side", "warps"), [
     (16, 72, 32, 8),  # DiT-XL/2 512 px: 30 blocks of up to 42 tokens, a 128 x 128 D x Dv tile
     (70, 32, 32, 4),  # SANA-1.6B 1K: 32 x 32
@@ -950,15 +966,9 @@ def test_the_q_side_grad_launch_makes_the_summaries_of_do_where_each_block_is_on
     8 warps for DiT's 128 x 128 D x Dv tile (4 spilled it and ran 1.3-1.5x slower) and CONFIG's 4 for SANA's 32 x 32
     (8 ran 1.34x slower); longer blocks keep the launch of their own. The launches are recorded, not run (values:
     kernels_interp.py, "stages" and "mixing kernel in the op"; `bench op --check` on the GPU)."""
-    from mhla_diffusion.blocks import resolve_blocks
     from mhla_diffusion.kernels import mhla
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launches = _record_launches(monkeypatch)
-    q, k, v = (torch.randn(1, side * side, heads, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grid = (1, side, side)
-    blocks = resolve_blocks(grid, "auto")
-    mhla_attention(q, k, v, locality_mix(blocks).float(), grid, blocks, backend="triton").float().sum().backward()
+    launches = _recorded_square_call(monkeypatch, side, heads, d, backward=True)
     q_side, kv_side = launches["_grad_kernel"]
     assert [q_side[1]["SUMMARIZE"], kv_side[1]["SUMMARIZE"]] == [warps is not None, False]
     assert q_side[1]["num_warps"] == (warps or mhla.CONFIG["grad"]["num_warps"])
@@ -970,14 +980,7 @@ def test_the_output_launch_puts_blocks_of_up_to_32_tokens_on_32_token_tiles(side
     """Through `mhla_attention(backend="triton")` with gradients (the linear path), bf16, DiT's heads: DiT-XL/2 384 px's
     blocks of up to 30 tokens take 32-token output tiles (H100: f+b 3 % lower than on 64), 512 px's of up to 42 keep 64
     (32 cost its forward 11 %). The launches are recorded, not run."""
-    from mhla_diffusion.blocks import resolve_blocks
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launches = _record_launches(monkeypatch)
-    q, k, v = (torch.randn(1, side * side, 16, 72, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grid = (1, side, side)
-    blocks = resolve_blocks(grid, "auto")
-    mhla_attention(q, k, v, locality_mix(blocks).float(), grid, blocks, backend="triton")
+    launches = _recorded_square_call(monkeypatch, side, 16, 72, backward=False)
     assert [kwargs["BLOCK_N"] for _, kwargs in launches["_output_kernel"]] == [block_n]
 
 
