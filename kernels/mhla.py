@@ -610,17 +610,22 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # forward made (`keeps_mixed`); H100, session 46 (`--versus mhla.CONFIG.mix.keep_up_to=0`, f+b ms, mixed again -> kept):
 # DiT-XL/2 384 px 0.0688 -> 0.0641, 512 px 0.0874 -> 0.0826, SANA-1.6B 1K 0.0895 -> 0.0852; session 47, 32 -> 64
 # blocks: DiT-XL/2 1024 px (64 blocks) 0.209 -> 0.195 (7 rounds), folding z and the Gram there too ("fold_up_to",
-# "gram_up_to" 64: the launch spills on sm_90, 248-352 B) no faster (0.194; alone 0.998x); "keep_within_v" (session 47,
-# `--versus mhla.CONFIG.mix.keep_up_to=256`, f+b ms): SANA-1.6B 4K 0.820 -> 0.791, Wan2.1-1.3B 480p at the model's 180
+# "gram_up_to" 64: the launch spills on sm_90, 248-352 B) no faster (0.194; alone 0.998x); session 48, "fold_up_to"
+# and "gram_up_to" 32 -> 64 (`--versus`, two calls, fwd / f+b ms): Wan2.1-1.3B 480p in 3 x 4 x 5 blocks (60: the padded
+# copy, its fill, z's cuBLAS GEMM and two Gram launches gone) 0.230 / 0.892 -> 0.225 / 0.823 and 0.230 / 0.890 ->
+# 0.226 / 0.819, DiT-XL/2 1024 px unchanged (0.996x / 0.999x); 128 lost at SANA-1.6B 4K (121 blocks: 1.084x /
+# 1.169x) and tied at Wan2.1-14B 720p in 3 x 5 x 8 (120); "keep_within_v" (session 47, `--versus
+# mhla.CONFIG.mix.keep_up_to=256`, f+b ms): SANA-1.6B 4K 0.820 -> 0.791, Wan2.1-1.3B 480p at the model's 180
 # blocks 1.229 -> 1.154, Wan2.1-14B 720p at 252: 6.566 -> 6.284. 1056 programs instead of 264: forward 1.065x at
 # 512 px, 1.045x at SANA 1K. "grad": where blocks of at most "summarize_up_to" tokens fit one token tile, the q-side
 # grad launch also makes dO's summaries dS~, dz~ (`block_grad`), on "summarize_warps" where its D x Dv tile is over
 # "summarize_wide_over" elements (`grad_options`). H100, session 47 (`--versus`, f+b ms; a launch of their own -> in
 # the grad launch; DiT's 128 x 128 tiles on 8 warps, SANA's 32 x 32 on 4): DiT-XL/2 384 px 0.0633 -> 0.0593, 512 px
 # 0.0816 -> 0.0785, 1024 px 0.225 -> 0.211, SANA-1.6B 1K 0.0842 -> 0.0805; DiT on 4 warps 1.28-1.51x, SANA on 8 warps
-# 1.34x. "output": "fit_block" puts blocks of at most 32 tokens on 32-token tiles (`block_output`);
-# H100, session 47 (`--versus mhla.CONFIG.output.block_n=32`, f+b ms): DiT-XL/2 384 px (30-token blocks) 0.0592 ->
-# 0.0573; at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64.
+# 1.34x; the Dv loop's last tile only as wide as its columns (DiT's 72 as 64 + 16, not 128) was 1.07-1.09x slower at
+# DiT-XL/2 384-1024 px f+b (session 48, kernels/NOTES.md). "output": "fit_block" puts blocks of at most 32 tokens on
+# 32-token tiles (`block_output`); H100, session 47 (`--versus mhla.CONFIG.output.block_n=32`, f+b ms): DiT-XL/2 384 px
+# (30-token blocks) 0.0592 -> 0.0573; at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64.
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None, "fit_block": True},
@@ -628,7 +633,7 @@ CONFIG = {
              "summarize_warps": 8, "summarize_wide_over": 64 * 64},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
-            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 32, "gram_up_to": 32,
+            "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 64, "gram_up_to": 64,
             "gram": {"num_stages": 2, "programs": 264}, "keep_up_to": 64, "keep_within_v": True},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory

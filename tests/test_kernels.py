@@ -702,29 +702,30 @@ def test_mixing_kernel_gets_the_summaries_uncopied_and_mix_padded(transposed, mo
     from mhla_diffusion.kernels import mhla
 
     launches = _record_mix_launches(monkeypatch)
-    m = 37
+    m = 69
     mix = torch.nn.Parameter(torch.rand(m, m))
     mat = mix.t() if transposed else mix
     s = torch.randn(m, 4, 8, 8, dtype=torch.bfloat16)  # (M, B*heads, D, Dv)
     out = []
     shapes = _aten_operand_shapes(lambda: out.append(mhla.mix_blocks(mat, s, torch.bfloat16)))
-    assert all(math.prod(shape) <= m * 48 for shape in shapes), shapes  # nothing the size of the summaries
+    assert all(math.prod(shape) <= m * 80 for shape in shapes), shapes  # nothing the size of the summaries
     [(args, kwargs)] = launches
     padded = args[0]
-    assert padded.dtype == s.dtype and padded.shape == (m, 48) and padded.stride() == (48, 1)
-    assert args[11:14] == (48, 48, 1) and not kwargs["WITH_Z"]  # mix read up to column 48, row stride 48
+    assert padded.dtype == s.dtype and padded.shape == (m, 80) and padded.stride() == (80, 1)
+    assert args[11:14] == (80, 80, 1) and not kwargs["WITH_Z"]  # mix read up to column 80, row stride 80
     assert torch.equal(padded[:, :m], mat.detach().to(s.dtype)) and not padded[:, m:].any()
     assert args[1].data_ptr() == s.data_ptr() and args[1].shape == (m, 4 * 8 * 8)
     assert out[0].shape == s.shape and out[0].dtype == s.dtype
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
-@pytest.mark.parametrize("m", [6, 30])
+@pytest.mark.parametrize("m", [6, 30, 60])
 def test_short_sequences_mix_s_and_z_in_one_launch_on_mix_as_it_is(m, transposed, monkeypatch):
-    """Up to CONFIG["mix"]["fold_up_to"] blocks (DiT-XL/2 512 px and SANA 1K have 30) `mix_summaries` is one mixing
-    launch for bf16 S and fp32 z, on mix as the caller holds it (the fp32 Parameter or the backward's mix^T view,
-    its own storage and strides): no padded copy, no fill, no GEMM for z; unnormalized calls (z None) mix S alone,
-    and fp32 S (fp32 inputs) stays on cuBLAS. The launch is recorded, not run (values: kernels_interp.py)."""
+    """Up to CONFIG["mix"]["fold_up_to"] blocks (DiT-XL/2 512 px and SANA 1K have 30, Wan2.1 480p in 3 x 4 x 5 blocks
+    60) `mix_summaries` is one mixing launch for bf16 S and fp32 z, on mix as the caller holds it (the fp32 Parameter
+    or the backward's mix^T view, its own storage and strides): no padded copy, no fill, no GEMM for z; unnormalized
+    calls (z None) mix S alone, and fp32 S (fp32 inputs) stays on cuBLAS. The launch is recorded, not run (values:
+    kernels_interp.py)."""
     from mhla_diffusion.kernels import mhla
 
     launches = _record_mix_launches(monkeypatch)
@@ -743,10 +744,10 @@ def test_short_sequences_mix_s_and_z_in_one_launch_on_mix_as_it_is(m, transposed
     assert no_z is None and not launches[1][1]["WITH_Z"] and launches[1][0][0].data_ptr() == mix.data_ptr()
     mhla.mix_summaries(mat, s.float(), z, torch.float32)
     assert len(launches) == 2
-    s37 = torch.randn(37, 4, dtype=torch.bfloat16)
-    for z, gram_with in ((torch.rand(37, 2), None), (None, (s37, None))):
-        with pytest.raises(ValueError, match="mixes z and forms the Gram in the same launch up to 32 blocks, not 37"):
-            mhla.mix_with_kernel(torch.rand(37, 37), s37, z, gram_with=gram_with)
+    s69 = torch.randn(69, 4, dtype=torch.bfloat16)
+    for z, gram_with in ((torch.rand(69, 2), None), (None, (s69, None))):
+        with pytest.raises(ValueError, match="mixes z and forms the Gram in the same launch up to 64 blocks, not 69"):
+            mhla.mix_with_kernel(torch.rand(69, 69), s69, z, gram_with=gram_with)
 
 
 def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(monkeypatch):
