@@ -623,11 +623,15 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # the grad launch; DiT's 128 x 128 tiles on 8 warps, SANA's 32 x 32 on 4): DiT-XL/2 384 px 0.0633 -> 0.0593, 512 px
 # 0.0816 -> 0.0785, 1024 px 0.225 -> 0.211, SANA-1.6B 1K 0.0842 -> 0.0805; DiT on 4 warps 1.28-1.51x, SANA on 8 warps
 # 1.34x; the Dv loop's last tile only as wide as its columns (DiT's 72 as 64 + 16, not 128) was 1.07-1.09x slower at
-# DiT-XL/2 384-1024 px f+b (session 48, kernels/NOTES.md). "output": "fit_block" puts blocks of at most 32 tokens on
-# 32-token tiles (`block_output`); H100, session 47 (`--versus mhla.CONFIG.output.block_n=32`, f+b ms): DiT-XL/2 384 px
-# (30-token blocks) 0.0592 -> 0.0573; at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64.
+# DiT-XL/2 384-1024 px f+b (session 48, kernels/NOTES.md). "summary": 4 pipeline stages over SHORT_BLOCK tokens a block
+# (SHORT_CONFIG keeps 3); H100, session 48 (`--versus mhla.CONFIG.summary.num_stages=4`, two calls, forward ms):
+# Wan2.1-14B 720p 1.445 -> 1.400 and 1.444 -> 1.407, at its 252 blocks 1.736 -> 1.714, Wan2.1-1.3B 480p at its 180
+# 0.318 -> 0.310 (as Wan uses it 0.317 -> 0.310), 60 blocks and SANA-1.6B 4K level, every f+b level (0.995-1.003);
+# DiT-XL/2 1024 px's 64-token blocks 1.023x. "output": "fit_block" puts blocks of at most 32 tokens on 32-token tiles
+# (`block_output`); H100, session 47 (`--versus mhla.CONFIG.output.block_n=32`, f+b ms): DiT-XL/2 384 px (30-token
+# blocks) 0.0592 -> 0.0573; at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64.
 CONFIG = {
-    "summary": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs": 256, "max_dv": 128, "maxnreg": 128},
+    "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None, "fit_block": True},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
              "summarize_warps": 8, "summarize_wide_over": 64 * 64},
@@ -648,9 +652,10 @@ ROPE_CONFIG = {"summary": {}, "output": {"num_warps": 4}, "grad": {"num_warps": 
 # scalar loads): H200, 2026-12-05 (`tune.py --sweep short`, one process, whole op, GPU time, fwd / f+b ms), session 38's
 # overrides (summary 64-token tiles and 2 stages, output 16-token tiles and 4 warps, grad 32-token tiles) -> these:
 # DiT-XL/2 512 px 0.0229 / 0.1118 -> 0.0209 / 0.1049, 1024 px 0.0549 / 0.2261 -> 0.0517 / 0.2006, SANA-1.6B 1K 0.0269 /
-# 0.1111 -> 0.0254 / 0.1059; the grad kernels keep CONFIG's settings (BENCHMARKS.md, session 39).
+# 0.1111 -> 0.0254 / 0.1059; the grad kernels keep CONFIG's settings (BENCHMARKS.md, session 39). The summaries keep 3
+# pipeline stages where CONFIG's went to 4 (session 48: at 1024 px 4 stages were 1.023x).
 SHORT_BLOCK = 128
-SHORT_CONFIG = {"summary": {"num_warps": 4}, "output": {"num_warps": 4}}
+SHORT_CONFIG = {"summary": {"num_warps": 4, "num_stages": 3}, "output": {"num_warps": 4}}
 # Over SHORT_CONFIG for blocks of at most SHORTEST_BLOCK tokens (DiT-XL/2 and PixArt at 512 px, SANA 1K: 42): the
 # summaries on 16-token tiles and 4 warps. H200, 2026-12-05, session 38 (`tune.py --sweep short`, fwd / f+b ms, against
 # SHORT_CONFIG's): DiT-XL/2 512 px 0.0426 / 0.1730 -> 0.0372 / 0.1602, SANA-1.6B 1K 0.0371 / 0.1323 -> 0.0280 / 0.1125;

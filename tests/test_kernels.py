@@ -479,7 +479,7 @@ CARDS = {"A100": (80, 166_912), "RTX 4090": (89, 101_376)}
 # The kernels (resources.KERNELS rows) whose H200 settings each card refuses
 REFUSED = {"A100": {"mix bf16"},
            "RTX 4090": {"mix bf16", "grad dk dv", "grad dk dv rope", "grad dk dv rope fp16", "grad dk dv d72",
-                        "parallel fwd d72, 1024 tokens, one tile"}}
+                        "parallel fwd d72, 1024 tokens, one tile", "summary fwd rope", "summary fwd rope qk-norm"}}
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -491,7 +491,8 @@ def test_every_kernel_has_settings_that_cards_with_less_shared_memory_take(card)
     interpreter). Launched as tuned, the A100 refused the 14B model's mixing GEMM, and a 4090 also a converted Wan's
     key gradients (147,456 bytes as Wan uses them in bf16; 155,648 in fp16, also at 16-token tiles: its Dv tile is
     what gives): training Wan failed there. DiT's key gradients, on CONFIG's 64-token tiles since session 39's re-sweep,
-    step down there too. The quadratic form's forward with DiT's heads in 64 + 16 columns, as shipped since session 44
+    step down there too, and since session 48 (4 pipeline stages) the summaries with RoPE tables, as Wan uses them.
+    The quadratic form's forward with DiT's heads in 64 + 16 columns, as shipped since session 44
     (`parallel.CONFIG["split_heads"]`), fits a 4090 as tuned at 576 and 1,024 tokens, where one 128-wide tile did
     not."""
     from triton.backends.compiler import GPUTarget
@@ -648,6 +649,8 @@ def test_short_block_overrides_apply_where_they_were_measured():
     assert rope_summary["num_warps"] == mhla.CONFIG["summary"]["num_warps"]
     assert mhla._config("output", torch.bfloat16, 128, 616)["num_warps"] == mhla.CONFIG["output"]["num_warps"]
     assert mhla.SHORT_CONFIG["output"]["num_warps"] != mhla.CONFIG["output"]["num_warps"]
+    long_summary = mhla._config("summary", torch.bfloat16, 128, 616)  # Wan's blocks pipeline deeper than DiT's
+    assert long_summary["num_stages"] == mhla.CONFIG["summary"]["num_stages"] != at_64["num_stages"]
     assert mhla._config("output", torch.float32, 128, 42) == mhla._config("output", torch.float32, 128, 616)
     assert mhla._config("grad", torch.bfloat16, 128, 42, rope=True) == mhla._config("grad", torch.bfloat16, 128, 616,
                                                                                   rope=True)
