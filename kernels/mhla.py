@@ -614,7 +614,9 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # and "gram_up_to" 32 -> 64 (`--versus`, two calls, fwd / f+b ms): Wan2.1-1.3B 480p in 3 x 4 x 5 blocks (60: the padded
 # copy, its fill, z's cuBLAS GEMM and two Gram launches gone) 0.230 / 0.892 -> 0.225 / 0.823 and 0.230 / 0.890 ->
 # 0.226 / 0.819, DiT-XL/2 1024 px unchanged (0.996x / 0.999x); 128 lost at SANA-1.6B 4K (121 blocks: 1.084x /
-# 1.169x) and tied at Wan2.1-14B 720p in 3 x 5 x 8 (120); "keep_within_v" (session 47, `--versus
+# 1.169x) and tied at Wan2.1-14B 720p in 3 x 5 x 8 (120); the Gram's launch at 60 blocks spills 784 B on its 4 warps
+# (resources.py), 104 B on 8, and 8 warps measured 0.982x f+b there (inside the spread), 0.999x at 64 blocks, 1.015x at
+# 30 (session 48, call 12): it keeps 4; "keep_within_v" (session 47, `--versus
 # mhla.CONFIG.mix.keep_up_to=256`, f+b ms): SANA-1.6B 4K 0.820 -> 0.791, Wan2.1-1.3B 480p at the model's 180
 # blocks 1.229 -> 1.154, Wan2.1-14B 720p at 252: 6.566 -> 6.284. 1056 programs instead of 264: forward 1.065x at
 # 512 px, 1.045x at SANA 1K. "grad": where blocks of at most "summarize_up_to" tokens fit one token tile, the q-side
@@ -638,7 +640,7 @@ CONFIG = {
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 64, "gram_up_to": 64,
-            "gram": {"num_stages": 2, "programs": 264}, "keep_up_to": 64, "keep_within_v": True},
+            "gram": {"num_stages": 2, "programs": 264, "num_warps": 4}, "keep_up_to": 64, "keep_within_v": True},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op

@@ -62,7 +62,7 @@ TILE = dict(BLOCK_D=128, BLOCK_DV=128, D=128, DV=128)  # head dims are constexpr
 # Blocks of the 14B mixing row (Wan2.1-14B 720p in its "auto" cut (3, 7, 12)); S and z columns (B*heads*D*Dv,
 # B*heads*D) of the mixing rows by their blocks: that model, and DiT-XL/2 512 px (30 blocks, 16 x 72 heads), B = 1
 MIX_BLOCKS = 252
-MIX_COLUMNS = {MIX_BLOCKS: (40 * 128 * 128, 40 * 128), 30: (16 * 72 * 72, 16 * 72)}
+MIX_COLUMNS = {MIX_BLOCKS: (40 * 128 * 128, 40 * 128), 30: (16 * 72 * 72, 16 * 72), 60: (12 * 128 * 128, 12 * 128)}
 WAN_BLOCK_TOKENS = 7 * 8 * 11  # longest block of Wan2.1-1.3B 480p: grid (21, 30, 52) cut (3, 4, 5)
 DIT_BLOCK_TOKENS = 7 * 6  # longest block of DiT-XL/2 512 px: grid (1, 32, 32) cut (1, 5, 6); SHORTEST_CONFIG applies
 DIT_1024_BLOCK_TOKENS = 8 * 8  # DiT-XL/2 1024 px: grid (1, 64, 64) cut (1, 8, 8); mhla.SHORT_CONFIG applies
@@ -106,10 +106,12 @@ KERNELS = {
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),
     # the mixing GEMM (no token kernel: its own CONFIG entry, `_mix_row`) on bf16 S at the 14B model's 252 blocks,
     # forward and backward alike (`mhla._mix_operand` makes mix and mix^T the same operand); at DiT-XL/2 512 px's 30
-    # blocks with mix as the model holds it (fp32, unpadded) and z mixed in the same launch
+    # blocks with mix as the model holds it (fp32, unpadded) and z mixed in the same launch, and so at Wan2.1-1.3B
+    # 480p's 60 in 3 x 4 x 5 blocks (up to CONFIG["mix"]["fold_up_to"] = 64 since session 48)
     "mix bf16": (mhla._mix_kernel, "mix", dict(M=MIX_BLOCKS)),
     "mix bf16 z folded": (mhla._mix_kernel, "mix", dict(M=30, WITH_Z=True)),
     "mix bf16 z folded, Gram": (mhla._mix_kernel, "mix", dict(M=30, WITH_Z=True, GRAM=True)),  # the backward's
+    "mix bf16 z folded, Gram, 60 blocks": (mhla._mix_kernel, "mix", dict(M=60, WITH_Z=True, GRAM=True)),
     # the quadratic form (`parallel.CONFIG`) for 16 x 72 heads: DiT-XL/2 256 px (256 tokens, 16 blocks), the
     # forward over 256 tokens (24 x 24 tokens, 16 blocks) and at DiT-XL/2 512 px (eager calls take it there); fp32
     # mix; heads in column tiles as `parallel.CONFIG["split_heads"]` says (64 + 16 for the forward and dq), and where
