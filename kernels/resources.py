@@ -268,7 +268,7 @@ def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
     off = {k: v for k, v in OFF.items() if k in kernel.arg_names}
     pointers, fp32 = POINTER_TYPES[dtype]
     head_align = mhla.head_align(torch.empty((1, 1, 1, shape["D"]), device="meta"))
-    options = mhla.grad_options(settings, True, block_d) if constexprs.get("SUMMARIZE") else mhla._launch(settings)
+    options = mhla.grad_options(settings, constexprs.get("SUMMARIZE", False), block_d)  # `_launch`'s unless SUMMARIZE
     return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles,
                                        **_head_strides(kernel, shape["D"]), "HEAD_ALIGN": head_align},
                               options, fp32, target=target, pointer_type=pointers)
