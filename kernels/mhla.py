@@ -631,10 +631,14 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # 0.318 -> 0.310 (as Wan uses it 0.317 -> 0.310), 60 blocks and SANA-1.6B 4K level, every f+b level (0.995-1.003);
 # DiT-XL/2 1024 px's 64-token blocks 1.023x. "output": "fit_block" puts blocks of at most 32 tokens on 32-token tiles
 # (`block_output`); H100, session 47 (`--versus mhla.CONFIG.output.block_n=32`, f+b ms): DiT-XL/2 384 px (30-token
-# blocks) 0.0592 -> 0.0573; at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64.
+# blocks) 0.0592 -> 0.0573; at 512 px (42) 32-token tiles cost the forward 10.7 %, where the rule keeps 64. Its
+# "programs" (512, not 1024) splits a block over programs only where fewer than 512 blocks x heads make the launch: of
+# the shapes timed, only Wan2.1-1.3B 480p in (3, 4, 5) blocks (720) is between; there one program a block, not two, took
+# the forward 0.976-0.987x in six `--versus mhla.CONFIG.output.programs=512` runs (H100, sessions 48-49; f+b 0.990-
+# 1.007x, inside the spread), and every other shape was unchanged.
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128},
-    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 1024, "maxnreg": None, "fit_block": True},
+    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
              "summarize_warps": 8, "summarize_wide_over": 64 * 64},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},

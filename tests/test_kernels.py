@@ -663,7 +663,8 @@ TOKEN_KERNEL_NAMES = ("_summary_kernel", "_output_kernel", "_grad_kernel", "_par
 
 
 def _record_launches(monkeypatch, names=KERNEL_NAMES) -> dict:
-    """The named kernels replaced by recorders, which run nothing: {name: [(args, kwargs) of each launch]}."""
+    """The named kernels replaced by recorders, which run nothing: {name: [(args, kwargs) of each launch]}, the
+    launch's grid in kwargs["grid"]."""
     from mhla_diffusion.kernels import mhla, parallel
 
     launches = {name: [] for name in names}
@@ -673,7 +674,7 @@ def _record_launches(monkeypatch, names=KERNEL_NAMES) -> dict:
             self.name = name
 
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches[self.name].append((args, kwargs))
+            return lambda *args, **kwargs: launches[self.name].append((args, {**kwargs, "grid": tuple(grid)}))
 
     for name in names:
         monkeypatch.setattr(mhla if hasattr(mhla, name) else parallel, name, Recorder(name))
@@ -986,6 +987,16 @@ def test_the_output_launch_puts_blocks_of_up_to_32_tokens_on_32_token_tiles(side
     (32 cost its forward 11 %). The launches are recorded, not run."""
     launches = _recorded_square_call(monkeypatch, side, 16, 72, backward=False)
     assert [kwargs["BLOCK_N"] for _, kwargs in launches["_output_kernel"]] == [block_n]
+
+
+@pytest.mark.parametrize(("heads", "splits"), [(8, 1), (4, 2)], ids=["720 programs", "360 programs"])
+def test_the_output_launch_splits_blocks_only_under_512_programs(heads, splits, monkeypatch):
+    """Through `mhla_attention(backend="triton")`, bf16: 90 blocks of up to 110 tokens (two 64-token tiles) on 8 heads
+    are 720 programs, one a block (`CONFIG["output"]["programs"]`: 512); on 4 heads, 360, the blocks split in two.
+    H100, Wan2.1-1.3B 480p in (3, 4, 5) blocks (720 programs), one a block against two: forward 2 % lower in six runs.
+    The launches are recorded, not run."""
+    launches = _recorded_square_call(monkeypatch, 96, heads, 16, backward=False)
+    assert [kwargs["grid"] for _, kwargs in launches["_output_kernel"]] == [(heads, 90, splits)]
 
 
 @pytest.mark.parametrize(("side", "heads", "d", "stages"), [(64, 16, 72, 3), (128, 4, 32, 4)],
