@@ -635,10 +635,17 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # "programs" (512, not 1024) splits a block over programs only where fewer than 512 blocks x heads make the launch: of
 # the shapes timed, only Wan2.1-1.3B 480p in (3, 4, 5) blocks (720) is between; there one program a block, not two, took
 # the forward 0.976-0.987x in six `--versus mhla.CONFIG.output.programs=512` runs (H100, sessions 48-49; f+b 0.990-
-# 1.007x, inside the spread), and every other shape was unchanged.
+# 1.007x, inside the spread), and every other shape was unchanged. "narrow_min_warps": over SHORT_BLOCK tokens a block,
+# a head tile narrower than MAX_TILE takes the summary and output launches on warps in proportion to its width, down to
+# that many (`_config`): 8 warps are 8 x 32 threads over SANA's 32 x 32 accumulator. H100, session 49 (`--versus`, fwd /
+# f+b ms against 8 warps each): SANA-1.6B 4K (D = 32) both on 2 warps 0.253 / 0.789 -> 0.168 / 0.657, both on 4 (the
+# summaries on 3 stages) 0.176 / 0.670; DiT-S/2 4096 px (D = 64) both on 4 0.128 / 0.426 -> 0.110 / 0.389, on 2 0.121
+# / 0.415.
 CONFIG = {
-    "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128},
-    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True},
+    "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128,
+                "narrow_min_warps": 2},
+    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True,
+               "narrow_min_warps": 2},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
              "summarize_warps": 8, "summarize_wide_over": 64 * 64},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
@@ -695,7 +702,9 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
 
     A register cap fits two programs of a 128-wide tile per SM; it pays only when each program walks
     many token tiles (H200: Wan, 14B, SANA-like D = 112 gain; narrower D tiles, and DiT-XL at <= 64
-    tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles.
+    tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles. Over SHORT_BLOCK
+    tokens a block, a kernel with a "narrow_min_warps" runs a tile narrower than MAX_TILE on its warps scaled by
+    block_d / MAX_TILE, down to that many (the warps were tuned for 128 x 128 accumulators).
     """
     tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
     short = tuned and not rope and max_len <= SHORT_BLOCK  # where `tune.py --sweep short` measured SHORT_CONFIG
@@ -707,6 +716,8 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
     elif block_d < MAX_TILE or max_len < 4 * cfg["block_n"]:
         cfg["maxnreg"] = None
+    if tuned and not short and block_d < MAX_TILE and cfg.get("narrow_min_warps"):
+        cfg["num_warps"] = max(cfg["narrow_min_warps"], cfg["num_warps"] * block_d // MAX_TILE)
     return cfg
 
 

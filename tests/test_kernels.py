@@ -989,6 +989,18 @@ def test_the_output_launch_puts_blocks_of_up_to_32_tokens_on_32_token_tiles(side
     assert [kwargs["BLOCK_N"] for _, kwargs in launches["_output_kernel"]] == [block_n]
 
 
+@pytest.mark.parametrize(("side", "d", "warps"), [(128, 32, 2), (128, 64, 4), (128, 128, 8), (32, 32, 4)],
+                         ids=["sana 4k, d32", "d64", "d128", "sana 1k, short blocks"])
+def test_narrow_heads_take_the_summary_and_output_launches_on_fewer_warps(side, d, warps, monkeypatch):
+    """Through `mhla_attention(backend="triton")`, bf16, blocks over `mhla.SHORT_BLOCK` tokens (121-144 at 128 x 128):
+    the summary and output launches run a head tile narrower than 128 on warps in proportion to its width, 2 at SANA's
+    32 and 4 at 64 (H100: SANA-1.6B 4K forward 0.253 -> 0.168 ms, DiT-S/2 4096 px 0.128 -> 0.110), while 128-wide
+    tiles keep 8 and short blocks `mhla.SHORT_CONFIG`'s 4. The launches are recorded, not run."""
+    launches = _recorded_square_call(monkeypatch, side, 2, d, backward=False)
+    assert [kwargs["num_warps"] for name in ("_summary_kernel", "_output_kernel")
+            for _, kwargs in launches[name]] == [warps, warps]
+
+
 @pytest.mark.parametrize(("heads", "splits"), [(8, 1), (4, 2)], ids=["720 programs", "360 programs"])
 def test_the_output_launch_splits_blocks_only_under_512_programs(heads, splits, monkeypatch):
     """Through `mhla_attention(backend="triton")`, bf16: 90 blocks of up to 110 tokens (two 64-token tiles) on 8 heads
