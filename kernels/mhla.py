@@ -635,19 +635,21 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # "programs" (512, not 1024) splits a block over programs only where fewer than 512 blocks x heads make the launch: of
 # the shapes timed, only Wan2.1-1.3B 480p in (3, 4, 5) blocks (720) is between; there one program a block, not two, took
 # the forward 0.976-0.987x in six `--versus mhla.CONFIG.output.programs=512` runs (H100, sessions 48-49; f+b 0.990-
-# 1.007x, inside the spread), and every other shape was unchanged. "narrow_min_warps": over SHORT_BLOCK tokens a block,
-# a head tile narrower than MAX_TILE takes the summary and output launches on warps in proportion to its width, down to
-# that many (`_config`): 8 warps are 8 x 32 threads over SANA's 32 x 32 accumulator. H100, session 49 (`--versus`, fwd /
-# f+b ms against 8 warps each): SANA-1.6B 4K (D = 32) both on 2 warps 0.253 / 0.789 -> 0.168 / 0.657, both on 4 (the
-# summaries on 3 stages) 0.176 / 0.670; DiT-S/2 4096 px (D = 64) both on 4 0.128 / 0.426 -> 0.110 / 0.389, on 2 0.121
-# / 0.415.
+# 1.007x, inside the spread), and every other shape was unchanged. "narrow_warps" {width: warps}: a head tile no
+# wider than `width` runs the launch on that many warps, whatever its blocks' length (`_config`; the warps above were
+# tuned for 128-wide tiles: 8 warps are 256 threads over SANA's 32 x 32 accumulator). H100, session 49 (`--versus`,
+# fwd / f+b ms): SANA-1.6B 4K (D = 32, 121-144-token blocks) summary and output on 2 warps, not 8: 0.253 / 0.789 ->
+# 0.168 / 0.657 (on 4, the summaries on 3 stages: 0.176 / 0.670), then the grad launches on 2, not 4: f+b 0.656 ->
+# 0.642 and 0.639 (two calls); SANA-1.6B 1K (30-42-token blocks, SHORT(EST)_CONFIG's 4 warps) all three on 2: 0.0251 /
+# 0.0791 -> 0.0195 / 0.0705; DiT-S/2 4096 px (D = 64) summary and output on 4: 0.128 / 0.426 -> 0.110 / 0.389 (on 2:
+# 0.121 / 0.415), its grad launches on 2 f+b 1.074x (kept on 4).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128,
-                "narrow_min_warps": 2},
+                "narrow_warps": {32: 2, 64: 4}},
     "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True,
-               "narrow_min_warps": 2},
+               "narrow_warps": {32: 2, 64: 4}},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
-             "summarize_warps": 8, "summarize_wide_over": 64 * 64},
+             "summarize_warps": 8, "summarize_wide_over": 64 * 64, "narrow_warps": {32: 2}},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 64, "gram_up_to": 64,
@@ -702,22 +704,25 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
 
     A register cap fits two programs of a 128-wide tile per SM; it pays only when each program walks
     many token tiles (H200: Wan, 14B, SANA-like D = 112 gain; narrower D tiles, and DiT-XL at <= 64
-    tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles. Over SHORT_BLOCK
-    tokens a block, a kernel with a "narrow_min_warps" runs a tile narrower than MAX_TILE on its warps scaled by
-    block_d / MAX_TILE, down to that many (the warps were tuned for 128 x 128 accumulators).
+    tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles. A bf16 head tile no
+    wider than one of the kernel's "narrow_warps" widths runs on the warps given for the narrowest such width, before
+    the RoPE and norm overrides (warps tuned for 128 x 128 accumulators idle over SANA's 32 x 32).
     """
     tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
     short = tuned and not rope and max_len <= SHORT_BLOCK  # where `tune.py --sweep short` measured SHORT_CONFIG
     shortest = short and max_len <= SHORTEST_BLOCK
     cfg = {**CONFIG[kernel], **(SHORT_CONFIG.get(kernel, {}) if short else {}),
-           **(SHORTEST_CONFIG.get(kernel, {}) if shortest else {}),
-           **(ROPE_CONFIG.get(kernel, {}) if rope else {}), **(NORMS_CONFIG.get(kernel, {}) if norms and tuned else {})}
+           **(SHORTEST_CONFIG.get(kernel, {}) if shortest else {})}
+    narrow = cfg.pop("narrow_warps", {})  # launch settings stay flat: `fitting` keys on their items
+    widths = [width for width in sorted(narrow) if tuned and block_d <= width]
+    if widths:
+        cfg["num_warps"] = narrow[widths[0]]
+    cfg.update(ROPE_CONFIG.get(kernel, {}) if rope else {})
+    cfg.update(NORMS_CONFIG.get(kernel, {}) if norms and tuned else {})
     if not tuned:
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
     elif block_d < MAX_TILE or max_len < 4 * cfg["block_n"]:
         cfg["maxnreg"] = None
-    if tuned and not short and block_d < MAX_TILE and cfg.get("narrow_min_warps"):
-        cfg["num_warps"] = max(cfg["narrow_min_warps"], cfg["num_warps"] * block_d // MAX_TILE)
     return cfg
 
 

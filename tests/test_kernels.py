@@ -959,7 +959,7 @@ def _recorded_square_call(monkeypatch, side: int, heads: int, d: int, backward: 
 
 @pytest.mark.parametrize(("heads", "d", "side", "warps"), [
     (16, 72, 32, 8),  # DiT-XL/2 512 px: 30 blocks of up to 42 tokens, a 128 x 128 D x Dv tile
-    (70, 32, 32, 4),  # SANA-1.6B 1K: 32 x 32
+    (70, 32, 32, 2),  # SANA-1.6B 1K: 32 x 32, on the narrow heads' warps
     (16, 72, 64, 8),  # DiT-XL/2 1024 px: 64 blocks of 64 tokens
     (16, 72, 96, None),  # 1536 px: 90 blocks of up to 110 tokens, over one token tile
 ], ids=["dit 512", "sana 1k", "dit 1024", "dit 1536"])
@@ -968,8 +968,8 @@ def test_the_q_side_grad_launch_makes_the_summaries_of_do_where_each_block_is_on
     """Through `mhla_attention(backend="triton")`, bf16, forward and backward: where every block fits one 64-token
     tile, the q-side grad launch also makes dS~ and dz~ (SUMMARIZE), so the backward runs no summary launch of its own
     (one launch and one read of q and dO fewer: H100, f+b 4-6 % lower at DiT-XL/2 384-1024 px and SANA-1.6B 1K), on
-    8 warps for DiT's 128 x 128 D x Dv tile (4 spilled it and ran 1.3-1.5x slower) and CONFIG's 4 for SANA's 32 x 32
-    (8 ran 1.34x slower); longer blocks keep the launch of their own. The launches are recorded, not run (values:
+    8 warps for DiT's 128 x 128 D x Dv tile (4 spilled it and ran 1.3-1.5x slower) and 2 for SANA's 32 x 32
+    (`CONFIG["grad"]["narrow_warps"]`; 4: f+b 5 % slower, 8: 1.34x); longer blocks keep the launch of their own. The launches are recorded, not run (values:
     kernels_interp.py, "stages" and "mixing kernel in the op"; `bench op --check` on the GPU)."""
     from mhla_diffusion.kernels import mhla
 
@@ -989,16 +989,21 @@ def test_the_output_launch_puts_blocks_of_up_to_32_tokens_on_32_token_tiles(side
     assert [kwargs["BLOCK_N"] for _, kwargs in launches["_output_kernel"]] == [block_n]
 
 
-@pytest.mark.parametrize(("side", "d", "warps"), [(128, 32, 2), (128, 64, 4), (128, 128, 8), (32, 32, 4)],
-                         ids=["sana 4k, d32", "d64", "d128", "sana 1k, short blocks"])
-def test_narrow_heads_take_the_summary_and_output_launches_on_fewer_warps(side, d, warps, monkeypatch):
-    """Through `mhla_attention(backend="triton")`, bf16, blocks over `mhla.SHORT_BLOCK` tokens (121-144 at 128 x 128):
-    the summary and output launches run a head tile narrower than 128 on warps in proportion to its width, 2 at SANA's
-    32 and 4 at 64 (H100: SANA-1.6B 4K forward 0.253 -> 0.168 ms, DiT-S/2 4096 px 0.128 -> 0.110), while 128-wide
-    tiles keep 8 and short blocks `mhla.SHORT_CONFIG`'s 4. The launches are recorded, not run."""
-    launches = _recorded_square_call(monkeypatch, side, 2, d, backward=False)
-    assert [kwargs["num_warps"] for name in ("_summary_kernel", "_output_kernel")
-            for _, kwargs in launches[name]] == [warps, warps]
+@pytest.mark.parametrize(("side", "d", "warps"), [
+    (128, 32, (2, 2, 2)),  # SANA-1.6B 4K: 121-144-token blocks
+    (32, 32, (2, 2, 2)),  # SANA-1.6B 1K: blocks of up to 42 tokens
+    (128, 64, (4, 4, 4)),  # DiT-S/2's 64-wide heads: the grad launches keep CONFIG's 4
+    (128, 128, (8, 8, 4)),  # Wan's and DiT's 128-wide tiles: CONFIG's
+], ids=["sana 4k, d32", "sana 1k, d32", "d64", "d128"])
+def test_narrow_heads_take_the_token_launches_on_fewer_warps(side, d, warps, monkeypatch):
+    """Through `mhla_attention(backend="triton")`, bf16, forward and backward: the summary, output and grad launches of
+    a head tile narrower than 128 run on `CONFIG[...]["narrow_warps"]`, over long blocks and short (H100: SANA-1.6B 4K
+    f+b 0.789 -> 0.642 ms, 1K 0.0791 -> 0.0705; DiT-S/2 4096 px's summary and output on 4 warps 0.426 -> 0.389, its
+    grad launches on 2 slower), while 128-wide tiles keep their settings. The launches are recorded, not run."""
+    launches = _recorded_square_call(monkeypatch, side, 2, d, backward=True)
+    used = [{kwargs["num_warps"] for _, kwargs in launches[name]}
+            for name in ("_summary_kernel", "_output_kernel", "_grad_kernel")]
+    assert used == [{w} for w in warps]
 
 
 @pytest.mark.parametrize(("heads", "splits"), [(8, 1), (4, 2)], ids=["720 programs", "360 programs"])
