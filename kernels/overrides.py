@@ -3,7 +3,8 @@ checked by the shipped commands, so a measurement in BENCHMARKS.md names a comma
 
 A setting is `TABLE.KEY[.KEY...]=VALUE`: TABLE one of the kernels' settings tables (`TABLES`), each KEY one the table
 already has at that depth (a misspelt key is refused, not added; the override tables of `mhla.CONFIG` take its keys
-too), and VALUE a Python literal: `parallel.CONFIG.split_heads=('forward',)`, `parallel.CONFIG.forward_long.num_stages=4`.
+too; a table keyed by numbers takes them as digits: `mhla.CONFIG.grad.narrow_warps.32=4`), and VALUE a Python literal:
+`parallel.CONFIG.split_heads=('forward',)`, `parallel.CONFIG.forward_long.num_stages=4`.
 """
 
 from __future__ import annotations
@@ -47,16 +48,20 @@ def parse(setting: str) -> tuple[str, tuple[str, ...], object]:
     except (ValueError, SyntaxError):
         raise ValueError(f"--set {setting!r}: {literal!r} is not a Python literal (quote strings: 'forward')") from None
     mine, reference = TABLES[table], OVERRIDDEN.get(table, {})
+    resolved = []  # the keys as the tables hold them: a table keyed by head width holds numbers
     for depth, key in enumerate(keys):
         known = set(mine) | set(reference)
+        key = int(key) if key.isdigit() and int(key) in known else key
+        resolved.append(key)
         if key not in known:
             where = ".".join((table, *keys[:depth]))
-            raise ValueError(f"--set {setting!r}: {where} has no key {key!r} (it has {', '.join(sorted(known))})")
+            have = ", ".join(str(k) for k in sorted(known, key=str))
+            raise ValueError(f"--set {setting!r}: {where} has no key {key!r} (it has {have})")
         if depth < len(keys) - 1:
             mine, reference = mine.get(key, {}), reference.get(key, {})
             if not isinstance(mine, dict) or not isinstance(reference, dict):
                 raise ValueError(f"--set {setting!r}: {'.'.join((table, *keys[:depth + 1]))} holds a value, not keys")
-    was = mine.get(keys[-1], reference.get(keys[-1]))
+    was = mine.get(resolved[-1], reference.get(resolved[-1]))
     if isinstance(was, dict) or isinstance(value, dict):
         raise ValueError(f"--set {setting!r}: {path} holds keys; set one of them ({path}.KEY=VALUE)")
     if value is None and keys[-1] not in _keys_holding_none():
@@ -67,7 +72,7 @@ def parse(setting: str) -> tuple[str, tuple[str, ...], object]:
     names = NAMES.get((table, keys))
     if names is not None and not set(value) <= set(names):
         raise ValueError(f"--set {setting!r}: {path} names kernels of {names}, not {sorted(set(value) - set(names))}")
-    return table, keys, value
+    return table, tuple(resolved), value
 
 
 @contextlib.contextmanager

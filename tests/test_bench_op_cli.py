@@ -253,7 +253,8 @@ def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypat
 
     def check_case(*args, **kwargs):
         seen.append((parallel.CONFIG["split_heads"], parallel.CONFIG["forward_long"]["num_stages"],
-                     dict(mhla.SHORT_CONFIG.get("grad", {})), mhla.CONFIG["summary"]["maxnreg"]))
+                     dict(mhla.SHORT_CONFIG.get("grad", {})), mhla.CONFIG["summary"]["maxnreg"],
+                     mhla.CONFIG["grad"]["narrow_warps"]))
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(check, "check_case", check_case)
@@ -261,8 +262,10 @@ def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypat
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "GPU")
     with pytest.raises(RuntimeError, match="stop here"):
         main(["bench", "op", "--check", "--set", "parallel.CONFIG.split_heads=('forward', 'grad_queries')",
-              "parallel.CONFIG.forward_long.num_stages=4", "--set", "mhla.SHORT_CONFIG.grad.num_warps=8", "mhla.CONFIG.summary.maxnreg=None"])
-    assert seen == [(("forward", "grad_queries"), 4, {"num_warps": 8}, None)]  # None: a register cap lifted
+              "parallel.CONFIG.forward_long.num_stages=4", "--set", "mhla.SHORT_CONFIG.grad.num_warps=8",
+              "mhla.CONFIG.summary.maxnreg=None", "mhla.CONFIG.grad.narrow_warps.32=4"])
+    # None: a register cap lifted; 32: a table keyed by head width takes its keys as numbers
+    assert seen == [(("forward", "grad_queries"), 4, {"num_warps": 8}, None, {32: 4})]
     assert (parallel.CONFIG, mhla.SHORT_CONFIG, mhla.CONFIG) == before and parallel.CONFIG["forward_long"] is entry
     assert entry["num_stages"] == before[0]["forward_long"]["num_stages"]
     from mhla_diffusion.kernels.overrides import describe
@@ -283,6 +286,7 @@ def test_set_runs_bench_with_kernel_settings_changed_and_restores_them(monkeypat
     ("parallel.CONFIG.max_tokens.own=64", "parallel.CONFIG.max_tokens holds a value, not keys"),
     ("kernels.CONFIG.x=1", "expected TABLE.KEY=VALUE with TABLE one of mhla.CONFIG,"),
     ("parallel.CONFIG.max_tokens", "expected TABLE.KEY=VALUE"),
+    ("mhla.CONFIG.grad.narrow_warps.48=2", "mhla.CONFIG.grad.narrow_warps has no key '48' (it has 32)"),
 ])
 @pytest.mark.parametrize("command", [["op"], ["model", "--family", "dit-xl-2"]])
 def test_set_refuses_what_no_table_holds_in_one_line(setting, message, command, capsys):
