@@ -969,8 +969,9 @@ def test_the_q_side_grad_launch_makes_the_summaries_of_do_where_each_block_is_on
     tile, the q-side grad launch also makes dS~ and dz~ (SUMMARIZE), so the backward runs no summary launch of its own
     (one launch and one read of q and dO fewer: H100, f+b 4-6 % lower at DiT-XL/2 384-1024 px and SANA-1.6B 1K), on
     8 warps for DiT's 128 x 128 D x Dv tile (4 spilled it and ran 1.3-1.5x slower) and 2 for SANA's 32 x 32
-    (`CONFIG["grad"]["narrow_warps"]`; 4: f+b 5 % slower, 8: 1.34x); longer blocks keep the launch of their own. The launches are recorded, not run (values:
-    kernels_interp.py, "stages" and "mixing kernel in the op"; `bench op --check` on the GPU)."""
+    (`CONFIG["grad"]["narrow_warps"]`; 4: f+b 5 % slower, 8: 1.34x); longer blocks keep the launch of their own. The
+    launches are recorded, not run (values: kernels_interp.py, "stages" and "mixing kernel in the op"; `bench op
+    --check` on the GPU)."""
     from mhla_diffusion.kernels import mhla
 
     launches = _recorded_square_call(monkeypatch, side, heads, d, backward=True)

@@ -31,7 +31,7 @@ CASES = [
     ("dit-xl-512 elu", 16, 72, 72, (1, 32, 32), "auto", {"feature": "elu"}),
     ("sana-1.6b-1k", 70, 32, 32, (1, 32, 32), "auto", {}),
     ("sana-like-4k", 20, 112, 112, (1, 128, 128), "auto", {}),
-    ("sana-1.6b-4k", 70, 32, 32, (1, 128, 128), "auto", {}),  # 32-wide heads over long blocks: fewer warps (mhla._config)
+    ("sana-1.6b-4k", 70, 32, 32, (1, 128, 128), "auto", {}),  # 32-wide heads, long blocks: fewer warps (mhla._config)
     ("sana-video-2b-480p rope", 20, 112, 112, (21, 30, 52), "auto", {"rope": True}),  # normalized, RoPE on the numerator
     ("d256 rope", 4, 256, 256, (3, 20, 30), (2, 3, 4), {"rope": True}),
     ("d136/dv40 ragged B=2", 3, 136, 40, (5, 13, 17), (2, 3, 4), {"feature": "elu", "batch": 2}),
