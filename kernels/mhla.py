@@ -160,15 +160,16 @@ def _state_row(m, bh):
 
 
 @triton.jit
-def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols, other=0.0):
-    """A masked (rows x cols) tile in the pointer's own type (`other` outside)."""
+def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols, other, EVICT: tl.constexpr):
+    """A masked (rows x cols) tile in the pointer's own type (`other` outside); EVICT: its L2 eviction priority ("",
+    "evict_first", "evict_last": plain loads only; an async copy into a pipeline stage drops it)."""
     return tl.load(ptr + rows[:, None] * s_rows + cols[None, :] * s_cols, mask=mask_rows[:, None] & mask_cols[None, :],
-                   other=other)
+                   other=other, eviction_policy=EVICT)
 
 
 @triton.jit
 def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1, other=0.0):
-    return _tile(ptr, n, sn, mask_n, d, sd, mask_d, other).to(tl.float32)
+    return _tile(ptr, n, sn, mask_n, d, sd, mask_d, other, "").to(tl.float32)
 
 
 @triton.jit
@@ -184,11 +185,12 @@ def _norm_weight(w_ptr, d, mask_d, NORM: tl.constexpr):
 
 @triton.jit
 def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d,
-              BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+              BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+              EVICT: tl.constexpr):
     """phi(x) (zero outside the tile), and the rotated features used in numerators. With NORM, x is first
     RMSNormed across heads: x * rstd[n] * xw[d] (the per-token rstd from `_rstd_kernel`, the head's weights from
     `_norm_weight`)."""
-    x = _load_rows(x_ptr, n, sxn, mask_n, d, mask_d)
+    x = _tile(x_ptr, n, sxn, mask_n, d, 1, mask_d, 0.0, EVICT).to(tl.float32)
     if NORM:
         x = x * tl.load(xs_ptr + n, mask=mask_n, other=0.0)[:, None] * xw[None, :]
     fx = _phi_tile(x, mask_n, mask_d, ELU)
@@ -230,7 +232,7 @@ def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr, qw_ptr, gain_ptr, sqn
                    t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr,
                    NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, STREAM: tl.constexpr):
     """o = rope(phi(q)) mat [/ (phi(q) . zt + eps)] for the tokens [r0, r1) (raster order inside the block) of one
     block whose mixed summary (mat, zt) the program holds: `_output_kernel`'s token loop. With OUT_NORM (the
     program holds the head's whole Dv), each row is then RMSNormed and scaled by the head's gain."""
@@ -242,14 +244,14 @@ def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr, qw_ptr, gain_ptr, sqn
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, qs_ptr, qw, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, NORM_Q)
+                           BLOCK_D, ELU, ROPE, NORM_Q, STREAM)
         out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
         if NORMALIZE:
             out = out / (tl.sum(fx * zt[None, :], axis=1) + eps)[:, None]
         if OUT_NORM:  # columns past Dv are zeros: the sum of squares is the row's
             out = out * tl.rsqrt(tl.sum(out * out, axis=1) / DV + out_eps)[:, None] * gain[None, :]
         tl.store(o_ptr + n[:, None] * son + e[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=mask_n[:, None] & mask_e[None, :])
+                 mask=mask_n[:, None] & mask_e[None, :], eviction_policy=STREAM)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -264,7 +266,7 @@ def _summary_kernel(
     D_TILES: tl.constexpr, DV_TILES: tl.constexpr,
     ELU: tl.constexpr, ROPE: tl.constexpr, SCALE_Y: tl.constexpr, WEIGHT_Z: tl.constexpr,
     WITH_Z: tl.constexpr, Z_IN_DOT: tl.constexpr, ATOMIC: tl.constexpr, NORM_X: tl.constexpr, DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KEEP: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
     _await_inputs(PDL)
@@ -291,7 +293,7 @@ def _summary_kernel(
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, NORM_X)
+                           BLOCK_D, ELU, ROPE, NORM_X, "")
         # with Z_IN_DOT, ones past Dv (and in rows past the block, where rx is zero): the product's column DV is z
         y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e, 1, 1.0 if Z_IN_DOT else 0.0)
         if SCALE_Y:
@@ -316,7 +318,7 @@ def _summary_kernel(
         if WITH_Z:
             tl.atomic_add(z_ptr + base * D + d, zsum, mask=z_mask)
     else:
-        tl.store(s_ptr + s_off, acc.to(s_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(s_ptr + s_off, acc.to(s_ptr.dtype.element_ty), mask=s_mask, eviction_policy=KEEP)
         if WITH_Z:
             tl.store(z_ptr + base * D + d, zsum, mask=z_mask)
 
@@ -328,7 +330,7 @@ def _output_kernel(
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps, out_eps,
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr,
-    OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, STREAM: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
     _await_inputs(PDL)
@@ -349,7 +351,7 @@ def _output_kernel(
     zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
     _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr + b * N, qw_ptr + h * D, gain_ptr + h * DV, sqn, scn, scd,
                    son, mat, zt, eps, out_eps, t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV,
-                   BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, NORM_Q, OUT_NORM, DOT, PRECISION)
+                   BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, NORM_Q, OUT_NORM, DOT, PRECISION, STREAM)
 
 
 @triton.jit
@@ -384,7 +386,7 @@ def _grad_kernel(
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, x_ptr, vec, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, False)  # no norm: the x_ptr and vec stand-ins go unused
+                           BLOCK_D, ELU, ROPE, False, "")  # no norm: the x_ptr and vec stand-ins go unused
         p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         if STATS:
             rden = 1.0 / (tl.sum(fx * vec[None, :], axis=1) + eps)
@@ -473,7 +475,7 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 @triton.jit
 def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb, spf, first, step,
-              BLOCK_F: tl.constexpr, PRECISION: tl.constexpr, GRAM: tl.constexpr):
+              BLOCK_F: tl.constexpr, PRECISION: tl.constexpr, GRAM: tl.constexpr, KEEP: tl.constexpr):
     """dst[i, f] = sum_b a[i, b] src[b, f] for the BLOCK_F column tiles first, first + step, ...; int64 row offsets
     (M * F passes 2^31 for long videos). src's tiles are taken in a's type: a no-op for the walks `_mix_kernel` runs,
     but Triton 3.6 also compiles its z walk without WITH_Z (a Python False as an if's condition is no constexpr
@@ -486,11 +488,12 @@ def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb,
     for t in range(first, tl.cdiv(F, BLOCK_F), step):
         f = t * BLOCK_F + tl.arange(0, BLOCK_F)
         mask_f = f < F
-        tile = _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f).to(a.dtype)
+        tile = _tile(src_ptr, k.to(tl.int64), sb, k < M, f, sf, mask_f, 0.0, "").to(a.dtype)
         acc = tl.dot(a, tile, input_precision=PRECISION)
-        tl.store(dst_rows + f[None, :], acc.to(dst_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :])
+        tl.store(dst_rows + f[None, :], acc.to(dst_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_f[None, :],
+                 eviction_policy=KEEP)
         if GRAM:
-            other = _tile(partner_ptr, k.to(tl.int64), spb, k < M, f, spf, mask_f).to(a.dtype)
+            other = _tile(partner_ptr, k.to(tl.int64), spb, k < M, f, spf, mask_f, 0.0, "").to(a.dtype)
             gram = tl.dot(tile, tl.trans(other), gram, input_precision="tf32")
     return gram
 
@@ -498,7 +501,8 @@ def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb,
 @triton.jit
 def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_ptr, M, F, FZ, KM, smi, smk, ssb, ssf,
                 szb, szf, spsb, spsf, spzb, spzf, s_walks, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
-                BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr, PDL: tl.constexpr = 0):
+                BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr, KEEP: tl.constexpr,
+                PDL: tl.constexpr = 0):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op,
     where `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32), and
     with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in full fp32 with mix as given (Triton's
@@ -521,16 +525,16 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_p
     i = r * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_i = i < M
     k = tl.arange(0, BLOCK_K)
-    a = _tile(mix_ptr, i, smi, mask_i, k, smk, k < KM)
+    a = _tile(mix_ptr, i, smi, mask_i, k, smk, k < KM, 0.0, "")
     z_walk = False
     if WITH_Z:
         z_walk = p >= s_walks
     if z_walk:
         gram = _mix_walk(a.to(tl.float32), z_ptr, zout_ptr, pz_ptr, i, mask_i, k, M, FZ, szb, szf, spzb, spzf,
-                         p - s_walks, tl.num_programs(1) - s_walks, BLOCK_F, "ieee", GRAM)
+                         p - s_walks, tl.num_programs(1) - s_walks, BLOCK_F, "ieee", GRAM, KEEP)
     else:
         gram = _mix_walk(a.to(s_ptr.dtype.element_ty), s_ptr, out_ptr, ps_ptr, i, mask_i, k, M, F, ssb, ssf, spsb,
-                         spsf, p, s_walks, BLOCK_F, "tf32", GRAM)
+                         spsf, p, s_walks, BLOCK_F, "tf32", GRAM, KEEP)
     if GRAM:  # the first row block's programs add: every row block walks the same tiles
         tl.atomic_add(gram_ptr + k[:, None] * M + k[None, :], gram, mask=(k < M)[:, None] & (k < M)[None, :] & (r == 0))
 
@@ -642,25 +646,33 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # 0.168 / 0.657 (on 4, the summaries on 3 stages: 0.176 / 0.670), then the grad launches on 2, not 4: f+b 0.656 ->
 # 0.642 and 0.639 (two calls); SANA-1.6B 1K (30-42-token blocks, SHORT(EST)_CONFIG's 4 warps) all three on 2: 0.0251 /
 # 0.0791 -> 0.0195 / 0.0705; DiT-S/2 4096 px (D = 64) summary and output on 4: 0.128 / 0.426 -> 0.110 / 0.389 (on 2:
-# 0.121 / 0.415), its grad launches on 2 f+b 1.074x (kept on 4).
+# 0.121 / 0.415), its grad launches on 2 f+b 1.074x (kept on 4). L2 eviction priorities: "keep" (summary, mix) stores
+# S and S~ evict_last, so the next launch reads them from L2 while q, k and v stream through; the output's "stream"
+# loads q and stores o evict_first (`_tile`: plain loads only, the pipelined async copies drop it). With them the output
+# launch on 4 warps, not 8 (three programs an SM, not two; the RoPE and norm paths had 4 already). H100, session 50
+# (`--versus`, against the settings before, fwd / f+b): Wan2.1-1.3B 480p (3, 4, 5) 0.980 / 0.982, at its 180 blocks
+# 0.982 / 0.980, Wan2.1-14B 720p 0.991 / 0.995, DiT-XL/2 1024 px (4 warps before too) 0.974 / 0.997; blocks of up to
+# SHORTEST_BLOCK tokens take no hint (DiT-XL/2 512 px: forward 1.02x with them).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128,
-                "narrow_warps": {32: 2, 64: 4}},
-    "output": {"block_n": 64, "num_warps": 8, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True,
-               "narrow_warps": {32: 2, 64: 4}},
+                "narrow_warps": {32: 2, 64: 4}, "keep": "evict_last"},
+    "output": {"block_n": 64, "num_warps": 4, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True,
+               "narrow_warps": {32: 2}, "stream": "evict_first"},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
              "summarize_warps": 8, "summarize_wide_over": 64 * 64, "narrow_warps": {32: 2}},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 64, "gram_up_to": 64,
-            "gram": {"num_stages": 2, "programs": 264, "num_warps": 4}, "keep_up_to": 64, "keep_within_v": True},
+            "gram": {"num_stages": 2, "programs": 264, "num_warps": 4}, "keep_up_to": 64, "keep_within_v": True,
+            "keep": "evict_last"},
 }
 # Overrides of a kernel's CONFIG entry for its RoPE variant (bf16 cos/sin tiles: more registers and shared memory
 # per token tile than the plain kernel). H200, session 34 (`tune.py --sweep rope` at a converted Wan's own blocks, op
 # as Wan uses it, fwd / f+b ms; kernels/NOTES.md): grad 16 warps, 1 stage (the fifth pass's choice with fp32 tables,
 # no async copies) -> 8 warps, 2 stages: 1.3B 480p 0.303 / 1.268 -> 0.303 / 1.171, 14B 720p 1.649 / 7.085 -> 1.653 /
-# 6.421; then the output kernel on 4 warps: 0.297 / 1.162, 1.610 / 6.394 (the plain op: 0.314 / 1.153, 1.713 / 6.223).
-ROPE_CONFIG = {"summary": {}, "output": {"num_warps": 4}, "grad": {"num_warps": 8, "num_stages": 2}}
+# 6.421; then the output kernel on 4 warps (CONFIG's since session 50): 0.297 / 1.162, 1.610 / 6.394 (the plain op:
+# 0.314 / 1.153, 1.713 / 6.223).
+ROPE_CONFIG = {"summary": {}, "grad": {"num_warps": 8, "num_stages": 2}}
 # Overrides of a kernel's CONFIG entry for bf16 calls without RoPE whose blocks hold at most SHORT_BLOCK tokens
 # (DiT-XL/2 and PixArt up to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth,
 # sets the time. Re-swept once the head offsets were marked aligned (session 39; the settings before were tuned on DiT's
@@ -670,17 +682,14 @@ ROPE_CONFIG = {"summary": {}, "output": {"num_warps": 4}, "grad": {"num_warps": 
 # 0.1111 -> 0.0254 / 0.1059; the grad kernels keep CONFIG's settings (BENCHMARKS.md, session 39). The summaries keep 3
 # pipeline stages where CONFIG's went to 4 (session 48: at 1024 px 4 stages were 1.023x).
 SHORT_BLOCK = 128
-SHORT_CONFIG = {"summary": {"num_warps": 4, "num_stages": 3}, "output": {"num_warps": 4}}
+SHORT_CONFIG = {"summary": {"num_warps": 4, "num_stages": 3}}
 # Over SHORT_CONFIG for blocks of at most SHORTEST_BLOCK tokens (DiT-XL/2 and PixArt at 512 px, SANA 1K: 42): the
 # summaries on 16-token tiles and 4 warps. H200, 2026-12-05, session 38 (`tune.py --sweep short`, fwd / f+b ms, against
 # SHORT_CONFIG's): DiT-XL/2 512 px 0.0426 / 0.1730 -> 0.0372 / 0.1602, SANA-1.6B 1K 0.0371 / 0.1323 -> 0.0280 / 0.1125;
-# at 1024 px (64 tokens a block) it lost, 0.1094 / 0.3665 -> 0.1738 / 0.5282.
+# at 1024 px (64 tokens a block) it lost, 0.1094 / 0.3665 -> 0.1738 / 0.5282. No L2 priorities on the summaries and
+# the output's tokens (CONFIG's "keep", "stream"): H100, session 50, DiT-XL/2 512 px forward 1.02x with both.
 SHORTEST_BLOCK = 48
-SHORTEST_CONFIG = {"summary": {"block_n": 16, "num_warps": 4, "num_stages": 2}}
-# Overrides for the output kernel when it applies RMSNorms on the way (`ops.norms`: q across heads, the output per
-# head). H200, 2026-12-02, Wan's model blocks, RoPE, bf16, output kernel alone (ms, 8 -> 4 warps): 1.3B 480p
-# 0.190 -> 0.143 (without norms 0.101 / 0.096), 14B 720p 1.248 -> 0.849 (0.665 / 0.619); kernels/NOTES.md.
-NORMS_CONFIG = {"output": {"num_warps": 4}}
+SHORTEST_CONFIG = {"summary": {"block_n": 16, "num_warps": 4, "num_stages": 2, "keep": ""}, "output": {"stream": ""}}
 
 
 # The tiles each launch's settings give shared memory back by on a card that refuses them, in order, after its pipeline
@@ -694,11 +703,10 @@ def step_tiles(kernel: str, out_norm: bool = False) -> tuple[str, ...]:
     return tuple(t for t in STEP_TILES[kernel] if not (out_norm and t == "block_dv"))
 
 
-def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False,
-            norms: bool = False) -> dict:
+def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False) -> dict:
     """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; for such calls without RoPE whose blocks hold at most
     SHORT_BLOCK tokens, SHORT_CONFIG's overrides, and at most SHORTEST_BLOCK, SHORTEST_CONFIG's over those; with
-    `rope`, ROPE_CONFIG's; such calls applying RMSNorms on the way, NORMS_CONFIG's);
+    `rope`, ROPE_CONFIG's);
     for fp32 operands or D tiles over 128, a small unpipelined tile on 8 warps without a register cap, so
     shared memory and registers suffice.
 
@@ -706,7 +714,7 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
     many token tiles (H200: Wan, 14B, SANA-like D = 112 gain; narrower D tiles, and DiT-XL at <= 64
     tokens per block, lose), so it is dropped for narrower tiles and blocks of under 4 tiles. A bf16 head tile no
     wider than one of the kernel's "narrow_warps" widths runs on the warps given for the narrowest such width, before
-    the RoPE and norm overrides (warps tuned for 128 x 128 accumulators idle over SANA's 32 x 32).
+    the RoPE overrides (warps tuned for 128 x 128 accumulators idle over SANA's 32 x 32).
     """
     tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
     short = tuned and not rope and max_len <= SHORT_BLOCK  # where `tune.py --sweep short` measured SHORT_CONFIG
@@ -718,7 +726,6 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
     if widths:
         cfg["num_warps"] = narrow[widths[0]]
     cfg.update(ROPE_CONFIG.get(kernel, {}) if rope else {})
-    cfg.update(NORMS_CONFIG.get(kernel, {}) if norms and tuned else {})
     if not tuned:
         cfg.update(block_n=min(cfg["block_n"], 32), num_stages=1, num_warps=8, maxnreg=None)
     elif block_d < MAX_TILE or max_len < 4 * cfg["block_n"]:
@@ -792,7 +799,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
             s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
             BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles, Z_IN_DOT=z_in_dot, ATOMIC=splits > 1,
-            **flags,
+            KEEP=settings["keep"], **flags,
             **_launch(settings),
         )
         return s.to(state), z
@@ -821,8 +828,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
     block_d, block_dv, dv_tiles = _full_d_tiles(g.D, g.DV)
     if out_norm is not None and dv_tiles > 1:
         raise ValueError(f"the output kernel tiles Dv = {g.DV} (D = {g.D}) and cannot apply the output norm")
-    cfg = {**_config("output", q.dtype, block_d, g.max_len, rope is not None,
-                     norms=q_norm is not None or out_norm is not None), "block_dv": block_dv}
+    cfg = {**_config("output", q.dtype, block_d, g.max_len, rope is not None), "block_dv": block_dv}
     if cfg["fit_block"]:  # blocks of at most 32 tokens on 32-token tiles, not half-empty 64-token ones
         cfg["block_n"] = min(cfg["block_n"], max(32, pow2(g.max_len)))
     o = torch.empty((g.B, g.N, g.heads, g.DV), device=q.device, dtype=out_dtype)
@@ -840,7 +846,8 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
             q, cos, sin, mixed_s, mixed_z, qs, qw, gain, o,
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
-            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=dv_tiles, **flags,
+            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=dv_tiles, STREAM=settings["stream"],
+            **flags,
             **_launch(settings),
         )
         return o
@@ -922,7 +929,7 @@ def _mix_settings(m: int, gram: bool = False) -> dict:
     cfg = {**CONFIG["mix"], **(CONFIG["mix"]["wide"] if m > CONFIG["mix"]["wide_over"] else {}),
            **(CONFIG["mix"]["gram"] if gram else {})}
     return dict(block_m=max(16, min(cfg["block_m"], pow2(m))), block_f=cfg["block_f"], programs=cfg["programs"],
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], keep=cfg["keep"])
 
 
 def _mix_launch(m: int, f: int, settings: dict, fz: int = 0) -> tuple[tuple[int, int], dict]:
@@ -934,7 +941,7 @@ def _mix_launch(m: int, f: int, settings: dict, fz: int = 0) -> tuple[tuple[int,
              for cols in (f, fz) if cols]
     return (row_blocks, sum(walks)), dict(s_walks=walks[0], BLOCK_M=settings["block_m"], BLOCK_F=settings["block_f"],
                                           BLOCK_K=max(16, pow2(m)), WITH_Z=bool(fz), num_warps=settings["num_warps"],
-                                          num_stages=settings["num_stages"])
+                                          num_stages=settings["num_stages"], KEEP=settings["keep"])
 
 
 def _mix_operand(mix: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

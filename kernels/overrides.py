@@ -16,12 +16,11 @@ from typing import Iterator
 from . import compiled, mhla, parallel, rms_norm
 
 TABLES = {"mhla.CONFIG": mhla.CONFIG, "mhla.ROPE_CONFIG": mhla.ROPE_CONFIG, "mhla.SHORT_CONFIG": mhla.SHORT_CONFIG,
-          "mhla.SHORTEST_CONFIG": mhla.SHORTEST_CONFIG, "mhla.NORMS_CONFIG": mhla.NORMS_CONFIG,
-          "parallel.CONFIG": parallel.CONFIG, "rms_norm.CONFIG": rms_norm.CONFIG, "compiled.CONFIG": compiled.CONFIG}
+          "mhla.SHORTEST_CONFIG": mhla.SHORTEST_CONFIG, "parallel.CONFIG": parallel.CONFIG,
+          "rms_norm.CONFIG": rms_norm.CONFIG, "compiled.CONFIG": compiled.CONFIG}
 # Tables that override another one's entries for the token kernels (`mhla._config`): a key of those is theirs too.
 TOKEN_KERNELS = {kernel: mhla.CONFIG[kernel] for kernel in ("summary", "output", "grad")}
-OVERRIDDEN = dict.fromkeys(("mhla.ROPE_CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG", "mhla.NORMS_CONFIG"),
-                           TOKEN_KERNELS)
+OVERRIDDEN = dict.fromkeys(("mhla.ROPE_CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG"), TOKEN_KERNELS)
 # Settings whose value is a tuple of names, and the names each takes.
 NAMES = {("parallel.CONFIG", ("split_heads",)): parallel.SPLIT_KERNELS}
 

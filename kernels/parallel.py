@@ -102,7 +102,7 @@ def _features_of(x_ptr, n, sn, mask_n, d, mask_d, ELU: tl.constexpr):
 @triton.jit
 def _mix_rows(mix_ptr, block, mask, c, smi, smj, M, DOT: tl.constexpr):
     """G: the mix rows of a tile's tokens (their blocks' rows, columns c < M), in the operand type."""
-    return _tile(mix_ptr, block, smi, mask, c, smj, c < M).to(DOT)
+    return _tile(mix_ptr, block, smi, mask, c, smj, c < M, 0.0, "").to(DOT)
 
 
 @triton.jit

@@ -234,10 +234,9 @@ def row_settings(row: tuple) -> tuple[dict, tuple]:
     if entry == "parallel":
         return _parallel_row(constexprs)[1], mhla.step_tiles("parallel")
     d, dv = constexprs.get("D", TILE["D"]), constexprs.get("DV", TILE["DV"])
-    norms = constexprs.get("NORM_Q", False) or constexprs.get("OUT_NORM", False)
     block_d = min(pow2(d), mhla.MAX_TILE) if entry == "summary" else pow2(d)
     cfg = mhla._config(entry, _dtype(constexprs), block_d, (block_tokens or [WAN_BLOCK_TOKENS])[0],
-                       constexprs["ROPE"], norms=norms)
+                       constexprs["ROPE"])
     if entry != "summary":
         cfg["block_dv"] = mhla._full_d_tiles(d, dv)[1]
     return cfg, mhla.step_tiles(entry, constexprs.get("OUT_NORM", False))
@@ -269,7 +268,8 @@ def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
     pointers, fp32 = POINTER_TYPES[dtype]
     head_align = mhla.head_align(torch.empty((1, 1, 1, shape["D"]), device="meta"))
     options = mhla.grad_options(settings, constexprs.get("SUMMARIZE", False), block_d)  # `_launch`'s unless SUMMARIZE
-    return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles,
+    hints = {name: settings[name.lower()] for name in ("KEEP", "STREAM") if name in kernel.arg_names}  # L2 priorities
+    return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles, **hints,
                                        **_head_strides(kernel, shape["D"]), "HEAD_ALIGN": head_align},
                               options, fp32, target=target, pointer_type=pointers)
 

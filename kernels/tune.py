@@ -132,7 +132,7 @@ ROPE_CANDIDATES = {
     "grad": ({"num_warps": 16, "num_stages": 1}, {"num_warps": 16, "num_stages": 2}, {"num_warps": 8, "num_stages": 2},
              {"block_n": 32, "num_warps": 8, "num_stages": 2}),
     "summary": ({}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64}),
-    "output": ({}, {"num_warps": 4}),
+    "output": ({}, {"num_warps": 8}),
 }
 # Overrides tried for short blocks (mhla.SHORT_CONFIG): one or two token tiles a program. 2026-12-01, first sweep
 # (H200, dit512 dit1024 sana1k): summary {block_n 64, 2 stages}, output {block_n 16, 4 warps}, grad {block_n 32}

@@ -15,8 +15,8 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 PASSES = (("fwd", False), ("fwdbwd", True))
-# The tables plain MHLA (no RoPE, no norms: what --versus times) reads; ROPE_CONFIG, NORMS_CONFIG and rms_norm's
-# would print "no change" whatever they held.
+# The tables plain MHLA (no RoPE, no norms: what --versus times) reads; ROPE_CONFIG and rms_norm's would print "no
+# change" whatever they held.
 PLAIN_TABLES = ("compiled.CONFIG", "mhla.CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG", "parallel.CONFIG")
 
 
