@@ -189,7 +189,7 @@ def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, 
               EVICT: tl.constexpr):
     """phi(x) (zero outside the tile), and the rotated features used in numerators. With NORM, x is first
     RMSNormed across heads: x * rstd[n] * xw[d] (the per-token rstd from `_rstd_kernel`, the head's weights from
-    `_norm_weight`)."""
+    `_norm_weight`). EVICT: x's load priority in L2 (`_tile`; the output launch streams q, the others pass "")."""
     x = _tile(x_ptr, n, sxn, mask_n, d, 1, mask_d, 0.0, EVICT).to(tl.float32)
     if NORM:
         x = x * tl.load(xs_ptr + n, mask=mask_n, other=0.0)[:, None] * xw[None, :]
