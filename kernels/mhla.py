@@ -168,6 +168,12 @@ def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols, other, EVICT: t
 
 
 @triton.jit
+def _ranks_tile(ptr, rr, r1, t0, h0, w0, lh, lw, H, W, START, sn, d, mask_d, EVICT: tl.constexpr):
+    """The tile of a block's tokens of ranks rr (raster order inside the block; those from r1 on masked), by `_tile`."""
+    return _tile(ptr, _raster(rr, t0, h0, w0, lh, lw, H, W, START), sn, rr < r1, d, 1, mask_d, 0.0, EVICT)
+
+
+@triton.jit
 def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1, other=0.0):
     return _tile(ptr, n, sn, mask_n, d, sd, mask_d, other, "").to(tl.float32)
 
@@ -185,12 +191,19 @@ def _norm_weight(w_ptr, d, mask_d, NORM: tl.constexpr):
 
 @triton.jit
 def _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d,
-              BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-              EVICT: tl.constexpr):
-    """phi(x) (zero outside the tile), and the rotated features used in numerators. With NORM, x is first
-    RMSNormed across heads: x * rstd[n] * xw[d] (the per-token rstd from `_rstd_kernel`, the head's weights from
-    `_norm_weight`). EVICT: x's load priority in L2 (`_tile`; the output launch streams q, the others pass "")."""
-    x = _tile(x_ptr, n, sxn, mask_n, d, 1, mask_d, 0.0, EVICT).to(tl.float32)
+              BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+    """`_tile_features` of x's rows n, loaded here."""
+    x = _tile(x_ptr, n, sxn, mask_n, d, 1, mask_d, 0.0, "")
+    return _tile_features(x, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d, BN, BD, ELU, ROPE, NORM)
+
+
+@triton.jit
+def _tile_features(x, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d,
+                   BN: tl.constexpr, BD: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+    """phi(x) of a loaded tile x of rows n (zero outside the tile), and the rotated features used in numerators. With
+    NORM, x is first RMSNormed across heads: x * rstd[n] * xw[d] (the per-token rstd from `_rstd_kernel`, the head's
+    weights from `_norm_weight`)."""
+    x = x.to(tl.float32)
     if NORM:
         x = x * tl.load(xs_ptr + n, mask=mask_n, other=0.0)[:, None] * xw[None, :]
     fx = _phi_tile(x, mask_n, mask_d, ELU)
@@ -232,19 +245,29 @@ def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr, qw_ptr, gain_ptr, sqn
                    t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr,
                    NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr, STREAM: tl.constexpr):
+                   PRECISION: tl.constexpr, STREAM: tl.constexpr, PREFETCH: tl.constexpr):
     """o = rope(phi(q)) mat [/ (phi(q) . zt + eps)] for the tokens [r0, r1) (raster order inside the block) of one
     block whose mixed summary (mat, zt) the program holds: `_output_kernel`'s token loop. With OUT_NORM (the
-    program holds the head's whole Dv), each row is then RMSNormed and scaled by the head's gain."""
+    program holds the head's whole Dv), each row is then RMSNormed and scaled by the head's gain. With PREFETCH, the
+    loads of the next q tile are issued before this tile's product, into registers: the launch runs unpipelined
+    (its pipeline stages cost more than they hide), and without it each program waited on every tile's loads."""
     qw = _norm_weight(qw_ptr, d, mask_d, NORM_Q)
     if OUT_NORM:
         gain = tl.load(gain_ptr + e, mask=mask_e, other=0.0).to(tl.float32)
+    if PREFETCH:
+        x_next = _ranks_tile(q_ptr, r0 + tl.arange(0, BLOCK_N), r1, t0, h0, w0, lh, lw, H, W, START, sqn, d, mask_d,
+                             STREAM)
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(q_ptr, sqn, cos_ptr, sin_ptr, scn, scd, qs_ptr, qw, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, NORM_Q, STREAM)
+        if PREFETCH:
+            x = x_next
+            x_next = _ranks_tile(q_ptr, rr + BLOCK_N, r1, t0, h0, w0, lh, lw, H, W, START, sqn, d, mask_d, STREAM)
+        else:
+            x = _tile(q_ptr, n, sqn, mask_n, d, 1, mask_d, 0.0, STREAM)
+        fx, rx = _tile_features(x, cos_ptr, sin_ptr, scn, scd, qs_ptr, qw, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D,
+                                ELU, ROPE, NORM_Q)
         out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
         if NORMALIZE:
             out = out / (tl.sum(fx * zt[None, :], axis=1) + eps)[:, None]
@@ -293,7 +316,7 @@ def _summary_kernel(
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, xs_ptr, xw, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, NORM_X, "")
+                           BLOCK_D, ELU, ROPE, NORM_X)
         # with Z_IN_DOT, ones past Dv (and in rows past the block, where rx is zero): the product's column DV is z
         y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e, 1, 1.0 if Z_IN_DOT else 0.0)
         if SCALE_Y:
@@ -330,7 +353,7 @@ def _output_kernel(
     heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps, out_eps,
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr,
-    OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, STREAM: tl.constexpr,
+    OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, STREAM: tl.constexpr, PREFETCH: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
     _await_inputs(PDL)
@@ -351,7 +374,7 @@ def _output_kernel(
     zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
     _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr + b * N, qw_ptr + h * D, gain_ptr + h * DV, sqn, scn, scd,
                    son, mat, zt, eps, out_eps, t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV,
-                   BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, NORM_Q, OUT_NORM, DOT, PRECISION, STREAM)
+                   BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, NORM_Q, OUT_NORM, DOT, PRECISION, STREAM, PREFETCH)
 
 
 @triton.jit
@@ -386,7 +409,7 @@ def _grad_kernel(
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
         fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, x_ptr, vec, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, False, "")  # no norm: the x_ptr and vec stand-ins go unused
+                           BLOCK_D, ELU, ROPE, False)  # no norm: the x_ptr and vec stand-ins go unused
         p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         if STATS:
             rden = 1.0 / (tl.sum(fx * vec[None, :], axis=1) + eps)
@@ -652,12 +675,18 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # launch on 4 warps, not 8 (three programs an SM, not two; the RoPE and norm paths had 4 already). H100, session 50
 # (`--versus`, against the settings before, fwd / f+b): Wan2.1-1.3B 480p (3, 4, 5) 0.980 / 0.982, at its 180 blocks
 # 0.982 / 0.980, Wan2.1-14B 720p 0.991 / 0.995, DiT-XL/2 1024 px (4 warps before too) 0.974 / 0.997; blocks of up to
-# SHORTEST_BLOCK tokens take no hint (DiT-XL/2 512 px: forward 1.02x with them).
+# SHORTEST_BLOCK tokens take no hint (DiT-XL/2 512 px: forward 1.02x with them). The output's "prefetch" issues the
+# next q tile's loads before this tile's product (`_block_outputs`; 167 -> 240 registers on sm_90, two programs an SM).
+# H100, session 51 (`--versus mhla.CONFIG.output.prefetch=True`, fwd / f+b): Wan2.1-1.3B 480p (3, 4, 5) 0.928 / 0.982,
+# at its 180 blocks 0.971 / 0.992, Wan2.1-14B 720p 0.942 / 0.986, SANA-1.6B 4K 0.989 / 0.992; DiT-XL/2 at 512 px 1.036
+# / 1.005 and 1024 px 1.015 / 1.003 (SHORT_CONFIG leaves it off); capped at 168 registers, on 8 warps or on 32-token
+# tiles no faster. The same in the summary launch (k and v ahead, on 1, 2 or 4 stages): forward 1.00-1.05x, f+b
+# 1.02-1.13x; not kept.
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128,
                 "narrow_warps": {32: 2, 64: 4}, "keep": "evict_last"},
     "output": {"block_n": 64, "num_warps": 4, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True,
-               "narrow_warps": {32: 2}, "stream": "evict_first"},
+               "narrow_warps": {32: 2}, "stream": "evict_first", "prefetch": True},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
              "summarize_warps": 8, "summarize_wide_over": 64 * 64, "narrow_warps": {32: 2}},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
@@ -671,8 +700,11 @@ CONFIG = {
 # as Wan uses it, fwd / f+b ms; kernels/NOTES.md): grad 16 warps, 1 stage (the fifth pass's choice with fp32 tables,
 # no async copies) -> 8 warps, 2 stages: 1.3B 480p 0.303 / 1.268 -> 0.303 / 1.171, 14B 720p 1.649 / 7.085 -> 1.653 /
 # 6.421; then the output kernel on 4 warps (CONFIG's since session 50): 0.297 / 1.162, 1.610 / 6.394 (the plain op:
-# 0.314 / 1.153, 1.713 / 6.223).
-ROPE_CONFIG = {"summary": {}, "grad": {"num_warps": 8, "num_stages": 2}}
+# 0.314 / 1.153, 1.713 / 6.223). The output's next-tile loads ahead (CONFIG's "prefetch") cost the RoPE launch its third
+# program an SM (151 -> 190 registers on sm_90): H100, session 51 (`bench op --impls mhla_used --set`, fwd ms, off ->
+# on): 1.3B 480p 0.232 -> 0.256, 14B 720p 1.436 -> 1.554, at 180 blocks 0.309 -> 0.341; capped at 168 registers, on 8
+# warps or 32-token tiles 0.229-0.258, 1.439-1.517 and 0.320-0.341: it stays off.
+ROPE_CONFIG = {"summary": {}, "output": {"prefetch": False}, "grad": {"num_warps": 8, "num_stages": 2}}
 # Overrides of a kernel's CONFIG entry for bf16 calls without RoPE whose blocks hold at most SHORT_BLOCK tokens
 # (DiT-XL/2 and PixArt up to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth,
 # sets the time. Re-swept once the head offsets were marked aligned (session 39; the settings before were tuned on DiT's
@@ -680,9 +712,10 @@ ROPE_CONFIG = {"summary": {}, "grad": {"num_warps": 8, "num_stages": 2}}
 # overrides (summary 64-token tiles and 2 stages, output 16-token tiles and 4 warps, grad 32-token tiles) -> these:
 # DiT-XL/2 512 px 0.0229 / 0.1118 -> 0.0209 / 0.1049, 1024 px 0.0549 / 0.2261 -> 0.0517 / 0.2006, SANA-1.6B 1K 0.0269 /
 # 0.1111 -> 0.0254 / 0.1059; the grad kernels keep CONFIG's settings (BENCHMARKS.md, session 39). The summaries keep 3
-# pipeline stages where CONFIG's went to 4 (session 48: at 1024 px 4 stages were 1.023x).
+# pipeline stages where CONFIG's went to 4 (session 48: at 1024 px 4 stages were 1.023x). The output launch loads no
+# tile ahead (CONFIG's "prefetch": a block is one or two tiles; session 51, DiT-XL/2 512 px forward 1.036x with it).
 SHORT_BLOCK = 128
-SHORT_CONFIG = {"summary": {"num_warps": 4, "num_stages": 3}}
+SHORT_CONFIG = {"summary": {"num_warps": 4, "num_stages": 3}, "output": {"prefetch": False}}
 # Over SHORT_CONFIG for blocks of at most SHORTEST_BLOCK tokens (DiT-XL/2 and PixArt at 512 px, SANA 1K: 42): the
 # summaries on 16-token tiles and 4 warps. H200, 2026-12-05, session 38 (`tune.py --sweep short`, fwd / f+b ms, against
 # SHORT_CONFIG's): DiT-XL/2 512 px 0.0426 / 0.1730 -> 0.0372 / 0.1602, SANA-1.6B 1K 0.0371 / 0.1323 -> 0.0280 / 0.1125;
@@ -847,7 +880,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
             BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=dv_tiles, STREAM=settings["stream"],
-            **flags,
+            PREFETCH=settings["prefetch"], **flags,
             **_launch(settings),
         )
         return o

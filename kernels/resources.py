@@ -268,7 +268,8 @@ def compile_row(row: tuple, settings: dict | None = None, target=HOPPER):
     pointers, fp32 = POINTER_TYPES[dtype]
     head_align = mhla.head_align(torch.empty((1, 1, 1, shape["D"]), device="meta"))
     options = mhla.grad_options(settings, constexprs.get("SUMMARIZE", False), block_d)  # `_launch`'s unless SUMMARIZE
-    hints = {name: settings[name.lower()] for name in ("KEEP", "STREAM") if name in kernel.arg_names}  # L2 priorities
+    # the L2 priorities and the output's loads ahead
+    hints = {name: settings[name.lower()] for name in ("KEEP", "STREAM", "PREFETCH") if name in kernel.arg_names}
     return compile_for_hopper(kernel, {**off, **shape, **BF16, "DOT": dot, "PRECISION": precision, **tiles, **hints,
                                        **_head_strides(kernel, shape["D"]), "HEAD_ALIGN": head_align},
                               options, fp32, target=target, pointer_type=pointers)

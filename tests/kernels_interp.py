@@ -308,6 +308,21 @@ def overriding(cfg: dict, **values):
         cfg.update(saved)
 
 
+def output_prefetch_case():
+    """The output launch walking 16 token tiles a program (two 256-token blocks, one program each), with the next
+    tile's q loads issued ahead (`CONFIG["output"]["prefetch"]`: long blocks without RoPE) and without (short blocks,
+    RoPE): the op's output and gradients against fp64, normalized with elu and unnormalized with relu."""
+    errors = {}
+    for prefetch in (True, False):
+        with overriding(mhla.CONFIG["output"], prefetch=prefetch, block_n=16, programs=1):
+            for normalize, feature in ((True, "elu"), (False, "relu")):
+                found = op_case((1, 16, 32), (1, 1, 2), 1, 16, 24, batch=1, normalize=normalize, feature=feature,
+                                launch={}, seed=5)
+                errors.update({f"{name}, {feature}{'' if normalize else ' unnormalized'}, prefetch {prefetch}": err
+                               for name, err in found.items() if name != "dtype"})
+    return errors
+
+
 def mix_case():
     """The mixing kernel (`mhla.mix_with_kernel`; the op takes it for bf16 summaries, whose products the interpreter
     computes unreliably) at 1 to 256 blocks (`CONFIG["mix"]["max_blocks"]`) with each program on one S tile or one
@@ -649,6 +664,7 @@ CASES = {
     "rms norm kernels": rms_norm_case,
     "stages": lambda: stage_case(FEW),
     "stages split programs": lambda: stage_case(SPLIT),
+    "output prefetch": output_prefetch_case,
     "mixing kernel": mix_case,
     "mixing kernel in the op": mixing_kernel_op_case,
     "parallel form": parallel_case,
