@@ -153,20 +153,24 @@ SWEEPS = {"rope": (mhla.ROPE_CONFIG, ROPE_CANDIDATES, True, ("wan480", "wan720")
 def sweep(kind: str, shapes=None) -> dict:
     """Whole-op GPU time (fwd, f+b; as Wan uses it for the RoPE variants) for each candidate override of the
     sweep's table (mhla.ROPE_CONFIG or mhla.SHORT_CONFIG), kernel by kernel: the summed fwd + f+b over `shapes`
-    decides (the RoPE sweeps before 2026-12-01, session 27, summed f+b alone). Then the winners together, the plain
-    op beside them (RoPE), the empty overrides (drift within the call); the table is left holding the winners, which
-    are returned (a kernel whose every candidate failed keeps the override it had)."""
+    decides (the RoPE sweeps before 2026-12-01, session 27, summed f+b alone). An entry's settings that no candidate
+    of its kernel sets are kept under each candidate and in the winner. Then the winners together, the plain op beside
+    them (RoPE), the empty candidates (drift within the call); the table is left holding the winners, which are
+    returned (a kernel whose every candidate failed keeps the override it had)."""
     table, candidates, as_used, default_shapes = SWEEPS[kind]
     shapes = shapes or default_shapes
     if kind == "short" and not any(_max_block_tokens(name) <= mhla.SHORT_BLOCK for name in shapes):
         raise ValueError(f"no shape among {shapes} has blocks of <= {mhla.SHORT_BLOCK} tokens: SHORT_CONFIG would not "
                          "apply; pick short shapes (dit512, dit1024, sana1k)")
     winners = {kernel: dict(table.get(kernel, {})) for kernel in candidates}
+    # an entry's settings that no candidate sets (the output's "prefetch": False) are kept under every candidate
+    kept = {kernel: {key: value for key, value in winners[kernel].items() if not any(key in c for c in options)}
+            for kernel, options in candidates.items()}
     try:
         for kernel, options in candidates.items():
             best = None
             for cand in options:
-                table[kernel] = dict(cand)
+                table[kernel] = {**kept[kernel], **cand}
                 try:
                     times = {name: op_times(name, as_used=as_used) for name in shapes}
                 except Exception as err:  # a config the compiler rejects
@@ -176,7 +180,7 @@ def sweep(kind: str, shapes=None) -> dict:
                 print(f"{kind} {kernel} {cand}: " + ", ".join(f"{n} {f:.4f} / {fb:.4f}" for n, (f, fb) in times.items()),
                       flush=True)
                 if best is None or cost < best[0]:
-                    best = (cost, cand)
+                    best = (cost, table[kernel])
             if best is not None:
                 winners[kernel] = dict(best[1])
             table[kernel] = dict(winners[kernel])
@@ -185,7 +189,7 @@ def sweep(kind: str, shapes=None) -> dict:
         if as_used:
             print("plain      " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n)}" for n in shapes))
         for kernel in candidates:
-            table[kernel] = {}
+            table[kernel] = dict(kept[kernel])
         print(f"{kind} none  " + ", ".join(f"{n} {'%.4f / %.4f' % op_times(n, as_used=as_used)}" for n in shapes),
               flush=True)
     finally:

@@ -609,24 +609,31 @@ def test_a_refused_launchs_buffers_are_freed_before_the_retry(monkeypatch):
 def test_launch_sweep_keeps_each_kernels_fastest_override(monkeypatch):
     """`tune.py --sweep short` (a GPU tool; its timing faked here): coordinate descent keeps, kernel by kernel, the
     candidate with the least summed time, skips candidates that fail to compile, leaves the winners in
-    mhla.SHORT_CONFIG, and refuses shapes whose blocks are too long for the table to apply."""
+    mhla.SHORT_CONFIG, and refuses shapes whose blocks are too long for the table to apply. An entry's settings that no
+    candidate sets (the output's "prefetch": False) stay under every candidate timed and in the winner."""
     from mhla_diffusion.kernels import mhla, tune
 
     fast, broken = {"block_n": 32}, {"num_warps": 2}
     candidates = {kernel: ({}, broken, fast) for kernel in ("summary", "output")}
     monkeypatch.setitem(tune.SWEEPS, "short", (mhla.SHORT_CONFIG, candidates, False, ("dit512",)))
+    committed = {kernel: dict(cfg) for kernel, cfg in mhla.SHORT_CONFIG.items()}
+    assert committed["output"]["prefetch"] is False and "num_stages" in committed["summary"]
+    timed = []
 
     def fake_op_times(name, as_used=False):
-        if broken in mhla.SHORT_CONFIG.values():
+        timed.append({kernel: dict(mhla.SHORT_CONFIG[kernel]) for kernel in candidates})
+        if any(cfg.get("num_warps") == 2 for cfg in mhla.SHORT_CONFIG.values()):
             raise RuntimeError("out of resources")
-        ms = sum(cfg != fast for cfg in mhla.SHORT_CONFIG.values()) + 1.0
+        ms = sum(cfg.get("block_n") != 32 for cfg in mhla.SHORT_CONFIG.values()) + 1.0
         return ms, 2 * ms
 
     monkeypatch.setattr(tune, "op_times", fake_op_times)
-    committed = {kernel: dict(cfg) for kernel, cfg in mhla.SHORT_CONFIG.items()}
+    kept = {"summary": {"num_stages": committed["summary"]["num_stages"]}, "output": committed["output"]}
     try:
-        assert tune.sweep("short") == {"summary": fast, "output": fast}
-        assert mhla.SHORT_CONFIG == {**committed, "summary": fast, "output": fast}
+        winners = {kernel: {**kept[kernel], **fast} for kernel in candidates}
+        assert tune.sweep("short") == winners
+        assert mhla.SHORT_CONFIG == {**committed, **winners}
+        assert all(cfg[kernel].items() >= kept[kernel].items() for cfg in timed for kernel in candidates)
         with pytest.raises(ValueError, match="SHORT_CONFIG would not apply"):
             tune.main(["--sweep", "short", "--shapes", "wan480"])
     finally:
