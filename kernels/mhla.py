@@ -673,7 +673,8 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # (`--versus`, against the settings before, fwd / f+b): Wan2.1-1.3B 480p (3, 4, 5) 0.980 / 0.982, at its 180 blocks
 # 0.982 / 0.980, Wan2.1-14B 720p 0.991 / 0.995, DiT-XL/2 1024 px (4 warps before too) 0.974 / 0.997; blocks of up to
 # SHORTEST_BLOCK tokens take no hint (DiT-XL/2 512 px: forward 1.02x with them). The output's "prefetch" issues the
-# next q tile's loads before this tile's product (`_block_outputs`; 167 -> 240 registers on sm_90, two programs an SM).
+# next q tile's loads before this tile's product (`_block_outputs`; 167 -> 255 registers on sm_90 with the next tile's
+# rows carried over the loop, session 52: 480p forward 1-1.5 % lower than working them out twice; two programs an SM).
 # H100, session 51 (`--versus mhla.CONFIG.output.prefetch=True`, fwd / f+b): Wan2.1-1.3B 480p (3, 4, 5) 0.928 / 0.982,
 # at its 180 blocks 0.971 / 0.992, Wan2.1-14B 720p 0.942 / 0.986, SANA-1.6B 4K 0.989 / 0.992; DiT-XL/2 at 512 px 1.036
 # / 1.005 and 1024 px 1.015 / 1.003 (SHORT_CONFIG leaves it off); capped at 168 registers, on 8 warps or on 32-token
@@ -700,7 +701,9 @@ CONFIG = {
 # 0.314 / 1.153, 1.713 / 6.223). The output's next-tile loads ahead (CONFIG's "prefetch") cost the RoPE launch its third
 # program an SM (151 -> 190 registers on sm_90): H100, session 51 (`bench op --impls mhla_used --set`, fwd ms, off ->
 # on): 1.3B 480p 0.232 -> 0.256, 14B 720p 1.436 -> 1.554, at 180 blocks 0.309 -> 0.341; capped at 168 registers, on 8
-# warps or 32-token tiles 0.229-0.258, 1.439-1.517 and 0.320-0.341: it stays off.
+# warps or 32-token tiles 0.229-0.258, 1.439-1.517 and 0.320-0.341: it stays off. The summaries keep CONFIG's 4 stages
+# (122 KB of shared memory, one program an SM): H100, session 52, fwd ms, on 3 stages or 16-token tiles 0.229-0.231 at
+# 480p (0.231-0.233 as run), but 1.448-1.471 at 14B (1.431-1.434) and 0.311-0.316 at 180 blocks (0.309).
 ROPE_CONFIG = {"summary": {}, "output": {"prefetch": False}, "grad": {"num_warps": 8, "num_stages": 2}}
 # Overrides of a kernel's CONFIG entry for bf16 calls without RoPE whose blocks hold at most SHORT_BLOCK tokens
 # (DiT-XL/2 and PixArt up to 1024 px, SANA 1K): each program walks one or two token tiles, so latency, not bandwidth,
