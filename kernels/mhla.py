@@ -168,6 +168,14 @@ def _tile(ptr, rows, s_rows, mask_rows, cols, s_cols, mask_cols, other, EVICT: t
 
 
 @triton.jit
+def _ranks_tile(ptr, rr, r1, t0, h0, w0, lh, lw, H, W, START, sn, d, mask_d, EVICT: tl.constexpr):
+    """The rows n of a block's tokens of ranks rr (raster order inside the block, `_raster`) and their tile, those from
+    r1 on masked (`_tile`)."""
+    n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
+    return n, _tile(ptr, n, sn, rr < r1, d, 1, mask_d, 0.0, EVICT)
+
+
+@triton.jit
 def _load_rows(ptr, n, sn, mask_n, d, mask_d, sd=1, other=0.0):
     return _tile(ptr, n, sn, mask_n, d, sd, mask_d, other, "").to(tl.float32)
 
@@ -249,20 +257,17 @@ def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr, qw_ptr, gain_ptr, sqn
     if OUT_NORM:
         gain = tl.load(gain_ptr + e, mask=mask_e, other=0.0).to(tl.float32)
     if PREFETCH:  # the next tile's rows and loads, carried over the loop
-        rr_next = r0 + tl.arange(0, BLOCK_N)
-        n_next = _raster(rr_next, t0, h0, w0, lh, lw, H, W, START)
-        x_next = _tile(q_ptr, n_next, sqn, rr_next < r1, d, 1, mask_d, 0.0, STREAM)
+        n_next, x_next = _ranks_tile(q_ptr, r0 + tl.arange(0, BLOCK_N), r1, t0, h0, w0, lh, lw, H, W, START, sqn, d,
+                                     mask_d, STREAM)
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         if PREFETCH:
             n, x = n_next, x_next
-            rr_next = rr + BLOCK_N
-            n_next = _raster(rr_next, t0, h0, w0, lh, lw, H, W, START)
-            x_next = _tile(q_ptr, n_next, sqn, rr_next < r1, d, 1, mask_d, 0.0, STREAM)
+            n_next, x_next = _ranks_tile(q_ptr, rr + BLOCK_N, r1, t0, h0, w0, lh, lw, H, W, START, sqn, d, mask_d,
+                                         STREAM)
         else:
-            n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-            x = _tile(q_ptr, n, sqn, mask_n, d, 1, mask_d, 0.0, STREAM)
+            n, x = _ranks_tile(q_ptr, rr, r1, t0, h0, w0, lh, lw, H, W, START, sqn, d, mask_d, STREAM)
         fx, rx = _tile_features(x, cos_ptr, sin_ptr, scn, scd, qs_ptr, qw, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D,
                                 ELU, ROPE, NORM_Q)
         out = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
