@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..blocks import block_geometry
+from ..ops.rope import kernel_tables
 from . import mhla, parallel, rms_norm
 from .capabilities import FEATURES
 
@@ -359,21 +360,6 @@ def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None, norms=None):
     fuse_out = norms is not None and norms.out_gain is not None and mhla.fuses_output_norm(q.shape[-1], v.shape[-1])
     out = mixed_output(q, mix, s, z, cos, sin, args, q_norm, (norms.out_gain, norms.out_eps) if fuse_out else (None, 0.0))
     return out if norms is None or fuse_out else norms.output(out, grouped_rms_norm)
-
-
-def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A RoPE table as the kernels read it: rounded to bf16 for bf16 inputs, whose rotated features are rounded to
-    bf16 before every product anyway. Half the table bytes per token tile: H200, op as Wan uses it (RoPE,
-    unnormalized), fp32 -> bf16 tables, fwd 0.243 -> 0.201 ms (plain op 0.210) at Wan 1.3B 480p and 1.526 -> 1.24
-    (plain 1.263) at 14B 720p, f+b 1.05 -> 0.93 and 6.57 -> 5.71 (tables converted before the timed calls; here
-    each call rounds its (1, N, 1, D) tables once, a small elementwise pass); output error vs fp64 4.0e-3 -> 4.4e-3."""
-    t = t.detach()
-    return t.to(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.float32 else t
-
-
-def kernel_tables(rope, dtype: torch.dtype):
-    """(cos, sin) as the kernels read them (`_table`), or (None, None) without RoPE."""
-    return (None, None) if rope is None else (_table(rope[0], dtype), _table(rope[1], dtype))
 
 
 def _runs_as_called(q: torch.Tensor) -> bool:

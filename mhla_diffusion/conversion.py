@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from .blocks import auto_blocks, check_blocks
 from .config import MHLAConfig
 from .families import default_grid, family_of, self_attentions, token_grid
+from .ops.rope import share_rope_tables
 from .processors import MHLAProcessorBase, TokenGrid
 
 CONFIG_KEY = "mhla"  # key of the MHLAConfig in the transformer's config.json
@@ -75,6 +78,9 @@ def build_processors(transformer, config: MHLAConfig) -> dict:
     if getattr(transformer, "_mhla_token_grid", None) is None:
         transformer._mhla_token_grid = TokenGrid()
         transformer.register_forward_pre_hook(publish_grid, with_kwargs=True)
+        rope = family.rope_module(transformer)
+        if isinstance(rope, torch.nn.Module):  # its tables rounded for the kernels once a forward, not once a layer
+            rope.register_forward_hook(share_rope_tables)
     names = {id(m): n for n, m in transformer.named_modules()}
     procs = {f"{names[id(attns[i])]}.processor": new_processor(family, attns[i], config, transformer._mhla_token_grid)
              for i in layers}

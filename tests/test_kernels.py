@@ -1164,22 +1164,31 @@ def test_fp32_inputs_mix_in_plain_fp32_whatever_the_global_tf32_flag(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, monkeypatch):
-    """bf16 inputs: fp32 RoPE tables are rounded to bf16 once per call (half the table bytes in every token
-    tile); fp16 and fp32 inputs keep them as given."""
+@pytest.mark.parametrize("made_once", [False, True], ids=["tuple", "RoPETables"])
+def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, made_once, monkeypatch):
+    """bf16 inputs: fp32 RoPE tables are rounded to bf16 (half the table bytes in every token tile), once per call, or
+    once for every call given the same `RoPETables` (a converted model's layers in one forward); fp16 and fp32 inputs
+    keep them as given."""
     from mhla_diffusion.kernels import op
+    from mhla_diffusion.ops.rope import RoPETables
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    seen = {}
+    seen = []
 
     def fake_linear(q, k, v, mix, cos, sin, *args):
-        seen.update(cos=cos.dtype, sin=sin.dtype)
+        seen.append((cos, sin))
         return torch.zeros_like(v)
 
     monkeypatch.setattr(op, "mhla_linear", fake_linear)
     q = torch.randn(1, 512, 2, 8).to(dtype)
     angle = torch.rand(1, 512, 1, 8)
-    op.mhla_attention_triton(q, q, q, locality_mix((1, 2, 2)).float(), block_geometry((1, 16, 32), (1, 2, 2)),
-                             MHLAOptions(), rope=(angle.cos(), angle.sin()))
+    tables = (angle.cos(), angle.sin())
+    rope = RoPETables(tables) if made_once else tables
+    for _ in range(2):
+        op.mhla_attention_triton(q, q, q, locality_mix((1, 2, 2)).float(),
+                                 block_geometry((1, 16, 32), (1, 2, 2)), MHLAOptions(), rope=rope)
     expected = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    assert seen == {"cos": expected, "sin": expected}
+    assert [t.dtype for t in seen[0]] == [expected, expected]
+    assert all(torch.equal(a, b.to(expected)) for a, b in zip(seen[0], tables))
+    if dtype == torch.bfloat16:  # the rounded copies: made again each call from a plain tuple, once from RoPETables
+        assert (seen[1][0] is seen[0][0]) == made_once

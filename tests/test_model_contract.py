@@ -153,6 +153,45 @@ def test_strict_state_dict_ema_deepcopy_and_pickle(family):
     torch.testing.assert_close(run(loaded, 12, batch=1, frames=5), expected, rtol=0, atol=0)
 
 
+ROPE_FAMILIES = [f for f in zoo.FAMILIES if getattr(zoo.build_transformer(f), "rope", None) is not None]
+
+
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+def test_every_layer_gets_the_rope_tables_as_made_and_the_kernels_copies_are_made_once_a_forward(family):
+    """A converted model's rotary embedding hands its layers `RoPETables`: the very tensors it made, so a layer left
+    unconverted runs on them unchanged, one object for every layer of a forward, whose copies in the kernels' dtype
+    are made on the first layer's call and read by the rest (a Wan forward rounded its fp32 tables once a layer: 21
+    us a layer at 480p, H100). The same after deepcopy and pickling; a plain tuple still works (the op rounds it)."""
+    from mhla_diffusion.ops.rope import RoPETables, kernel_tables
+
+    model = zoo.build_transformer(family)
+    original = copy.deepcopy(model)
+    md.convert(model, md.MHLAConfig(layers=[0]))  # layer 1 on keeps its diffusers processor
+    attns = [m for n, m in model.named_modules() if n.endswith("attn1")]
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for m in (model, copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        seen = []
+        hooks = [a.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(
+            kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)), with_kwargs=True)
+            for a in (x for n, x in m.named_modules() if n.endswith("attn1"))]
+        run(m, 8)
+        for h in hooks:
+            h.remove()
+        assert len(seen) == len(attns) > 1 and all(t is seen[0] for t in seen)  # converted and unconverted layers
+        assert isinstance(seen[0], RoPETables) and seen[0][0].dtype == torch.float32
+        made = []
+        hook = original.rope.register_forward_hook(lambda mod, args, out: made.append(out))
+        run(original, 8)
+        hook.remove()
+        torch.testing.assert_close(tuple(seen[0]), tuple(made[0]), rtol=0, atol=0)
+        rounded = kernel_tables(seen[0], torch.bfloat16)
+        assert rounded[0].dtype == torch.bfloat16 and kernel_tables(seen[0], torch.bfloat16)[0] is rounded[0]
+        assert torch.equal(rounded[1], made[0][1].to(torch.bfloat16))
+    assert kernel_tables(tuple(made[0]), torch.bfloat16)[0] is not kernel_tables(tuple(made[0]), torch.bfloat16)[0]
+
+
 def _hook_torch_forward(norm, seen):
     return norm.register_forward_hook(lambda module, args, out: seen.append("forward"))
 

@@ -122,6 +122,11 @@ class Family:
         size = (size, size) if isinstance(size, int) else tuple(size)
         return patched(patch, (1, *size)), f"its sample_size {size[0]} x {size[1]} latent"
 
+    def rope_module(self, transformer):
+        """The submodule that makes the model's RoPE tables (cos, sin) once a forward for all its layers (diffusers
+        names it `rope`: Wan, its VACE and SkyReels-V2 kin, SANA-Video), or None."""
+        return getattr(transformer, "rope", None)
+
     def cp_plan(self, transformer) -> dict:
         """Where diffusers' context parallelism splits the token sequence and gathers it back."""
         from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
