@@ -25,6 +25,7 @@ from mhla_diffusion.kernels.op import (mhla_output, mhla_parallel, mhla_rms_norm
                                       mhla_summaries)
 from mhla_diffusion.ops import MHLAOptions, mhla_attention, mhla_op, naive  # noqa: E402
 from mhla_diffusion.ops.norms import Norms  # noqa: E402
+from mhla_diffusion.ops.rope import RoPETables  # noqa: E402
 
 from dense import dense_mhla  # noqa: E402
 
@@ -522,6 +523,14 @@ def compile_case():
         torch._dynamo.reset()
         errors["no-grad with norms"] = rel(torch.compile(with_norms, fullgraph=True, backend="aot_eager")(*leaves),
                                            with_norms(*leaves))
+
+    def with_rope(q, k, v, mix, rope):  # as a converted model's layers get the tables (`RoPETables`)
+        return mhla_attention(q, k, v, mix, grid, blocks, rope=rope, normalize=False, backend="triton")
+
+    tables = RoPETables(tuple(t.float() for t in rope_tables(48, 16, gen)))
+    torch._dynamo.reset()
+    errors["RoPETables"] = rel(torch.compile(with_rope, fullgraph=True, backend="aot_eager")(q, k, v, mix, tables),
+                               with_rope(q, k, v, mix, tables))
     return errors
 
 

@@ -40,7 +40,7 @@ def kernel_tables(rope, dtype: torch.dtype):
     """(cos, sin) as the kernels read them (`kernel_table`; once a forward for `RoPETables`), or (None, None)."""
     if rope is None:
         return None, None
-    if isinstance(rope, RoPETables):
+    if isinstance(rope, RoPETables) and not torch.compiler.is_compiling():  # a traced call rounds as it always did
         return rope.for_kernels(dtype)
     return kernel_table(rope[0], dtype), kernel_table(rope[1], dtype)
 
