@@ -41,10 +41,10 @@ from .sizes import cdiv, pow2
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
-# mixing matrix as the mixing kernel gets it and, since op._table, RoPE tables are bf16 for bf16 inputs.
+# mixing matrix as the mixing kernel gets it and, since `ops.rope.kernel_table`, RoPE tables are bf16 for bf16 inputs.
 FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "zout_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr", "dz_ptr"}
 # Pointer types of a token-kernel call by input type: (the inputs' and outputs', pointers that are fp32). fp16 inputs
-# keep S and RoPE tables in fp32 (`mhla.state_dtype`, `op._table`).
+# keep S and RoPE tables in fp32 (`mhla.state_dtype`, `ops.rope.kernel_table`).
 POINTER_TYPES = {torch.bfloat16: ("*bf16", FP32_POINTERS),
                  torch.float16: ("*fp16", FP32_POINTERS | {"s_ptr", "ds_ptr", "mat_ptr", "cos_ptr", "sin_ptr"}),
                  torch.float32: ("*fp32", FP32_POINTERS)}
