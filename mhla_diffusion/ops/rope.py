@@ -20,6 +20,11 @@ def kernel_table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(torch.bfloat16) if dtype == torch.bfloat16 and t.dtype == torch.float32 else t
 
 
+def _kernel_pair(rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of `rope` as the kernels read them (`kernel_table`)."""
+    return kernel_table(rope[0], dtype), kernel_table(rope[1], dtype)
+
+
 class RoPETables(tuple):
     """(cos, sin) as a model's rotary embedding made them: layers unpack it as before (an unconverted layer's
     processor gets the very same tensors), and `for_kernels` gives each MHLA layer the tables as the kernels read
@@ -32,7 +37,7 @@ class RoPETables(tuple):
     def for_kernels(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         made = self.__dict__.setdefault("_for_kernels", {})
         if dtype not in made:
-            made[dtype] = (kernel_table(self[0], dtype), kernel_table(self[1], dtype))
+            made[dtype] = _kernel_pair(self, dtype)
         return made[dtype]
 
 
@@ -42,7 +47,7 @@ def kernel_tables(rope, dtype: torch.dtype):
         return None, None
     if isinstance(rope, RoPETables) and not torch.compiler.is_compiling():  # a traced call rounds as it always did
         return rope.for_kernels(dtype)
-    return kernel_table(rope[0], dtype), kernel_table(rope[1], dtype)
+    return _kernel_pair(rope, dtype)
 
 
 def share_rope_tables(module, args, output):
