@@ -380,17 +380,32 @@ def _output_kernel(
 
 
 @triton.jit
+def _clear(ptr, count, first):
+    """Zeroes `count` fp32 values from ptr in the one program where `first` holds: a buffer the next launch adds
+    into, cleared by the launch before it (which that launch waits for anyway) instead of by a fill launch of its
+    own. Called after `_await_inputs`: under PDL, a launch still running before it may hold the memory."""
+    if first:
+        for i in range(0, count, 1024):
+            o = i + tl.arange(0, 1024)
+            tl.store(ptr + o, tl.zeros((1024,), tl.float32), mask=o < count)
+
+
+@triton.jit
 def _grad_kernel(
-    x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr, ds_ptr, dz_ptr,
+    x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr, ds_ptr, dz_ptr, clear_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
-    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps,
+    heads, N, M, T, H, W, NBT, NBH, NBW, START, M0, D: tl.constexpr, DV: tl.constexpr, TOK, eps, clear_count,
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr,
     WITH_DY: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, SUMMARIZE: tl.constexpr = False,
-    PDL: tl.constexpr = 0,
+    CLEAR: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
+    """With CLEAR, the first program also zeroes the clear_count fp32 values at clear_ptr (`_clear`): the backward's
+    dmix, which the mixing launch after this one adds into (`output_backward`)."""
     _await_inputs(PDL)
     bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if CLEAR:
+        _clear(clear_ptr, clear_count, (bh == 0) & (pid_m == 0) & (pid_s == 0))
     b, h = bh // heads, bh % heads
     m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_m, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0)
     x_ptr = _head(x_ptr, b, h, sxb, sxh, HEAD_ALIGN)
@@ -895,11 +910,12 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
 
 
 def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float,
-               summarize: bool = False):
+               summarize: bool = False, clear: torch.Tensor | None = None):
     """dx (and dy) of one side; with `stats`, also the per-token 1/den and c of the q side. With `summarize`, where
     each block fits one token tile (`summarizes`), also the q side's summaries as `block_summaries(x, y, rope, g,
     with_z=stats, y_scale=rden, z_weight=c)` makes them, from the x and y tiles this launch holds: one launch and one
-    read of q and dO fewer in a short sequence's backward.
+    read of q and dO fewer in a short sequence's backward. `clear`: an fp32 buffer the launch zeroes on the way (the
+    Gram a later launch adds dmix into: no fill launch of its own).
 
     Returns (dx, dy or None, rden or None, c or None, (dS~, dz~) or None).
     """
@@ -922,11 +938,12 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
                          _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, g.partial or not stats))
         ds, dz = summaries or (dx, dx)
         compiled.launch(_grad_kernel, (g.BH, g.m_count, cdiv(g.max_len, tok)),
-            x, y, cos, sin, mat, vec, dx, dy, rden, c, ds, dz,
+            x, y, cos, sin, mat, vec, dx, dy, rden, c, ds, dz, rden if clear is None else clear,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, BLOCK_N=settings["block_n"],
-            BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]), SUMMARIZE=summaries is not None,
+            g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, 0 if clear is None else clear.numel(),
+            BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]),
+            SUMMARIZE=summaries is not None, CLEAR=clear is not None,
             **flags, **grad_options(settings, summaries is not None, block_d),
         )
         return summaries
@@ -1001,13 +1018,15 @@ def _reads_mix_as_is(m: int) -> bool:
     return m <= CONFIG["mix"]["fold_up_to"]
 
 
-def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None, gram_with=None):
+def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None, gram_with=None,
+                    gram: torch.Tensor | None = None):
     """(sum_b mix[i, b] s[b] in s's type, the same of fp32 z or None, the Gram or None) by one `_mix_kernel` launch
     (fp32 accumulate). Up to CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is, and mixes z in the same
     launch: at short sequences the padded copy, its fill and z's own GEMM were three of the forward's seven launches
     (DiT-XL/2 512 px: 6 of its 50 us); z is only taken there. `gram_with`: (S, z or None) shaped as s and z, there
     too: the launch also returns sum over f of s[i, f] S[j, f] + z[i, f] z_gram[j, f], (M x M) fp32 (the backward's
-    dmix, from the dS~ and dz~ tiles it mixes back: no `_gram_kernel` launches, their fills and sum)."""
+    dmix, from the dS~ and dz~ tiles it mixes back: no `_gram_kernel` launches, their fills and sum), added into
+    `gram` where given (zeroed by an earlier launch: `output_backward`), else into a zero-filled buffer."""
     flat = s.flatten(1)
     m = s.shape[0]
     direct = _reads_mix_as_is(m)
@@ -1018,7 +1037,8 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
     z_flat = flat if z is None else z.flatten(1)
     z_out = out if z is None else torch.empty(z_flat.shape, device=z.device, dtype=z.dtype)
-    gram = None if gram_with is None else torch.zeros((m, m), device=s.device, dtype=torch.float32)
+    if gram is None and gram_with is not None:
+        gram = torch.zeros((m, m), device=s.device, dtype=torch.float32)
     ps, pz = (flat, z_flat) if gram_with is None else (
         gram_with[0].flatten(1), z_flat if gram_with[1] is None else gram_with[1].flatten(1))
 
@@ -1144,21 +1164,30 @@ def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize
     `mixed`: the forward's (S~, z~ or None), or None to mix them again."""
     # unnormalized: z (zeros) and dz~ only stand in for the kernels' unused normalizer vectors, and are not mixed
     mixed_s, mixed_z = mixed or mix_summaries(mix, s, z if normalize else None, q.dtype)
+    # the Gram the mixing launch adds dmix into, zeroed by the q-side grad launch (a fill launch fewer)
+    gram = torch.empty((g.M, g.M), device=q.device, dtype=torch.float32) if _gram_in_mix(mixed_s) else None
     dq, _, rden, c, summaries = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu,
-                                           stats=normalize, use_vec=normalize, with_dy=False, eps=eps, summarize=True)
+                                           stats=normalize, use_vec=normalize, with_dy=False, eps=eps, summarize=True,
+                                           clear=gram)
     ds_mixed, dz_mixed = summaries or block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden,
                                                       z_weight=c)
-    ds, dz, dmix = mix_back(mix, ds_mixed, dz_mixed if normalize else None, s, z if normalize else None, q.dtype)
+    ds, dz, dmix = mix_back(mix, ds_mixed, dz_mixed if normalize else None, s, z if normalize else None, q.dtype,
+                            gram)
     return dq, dmix.to(mix.dtype), ds, dz_mixed if dz is None else dz
 
 
-def mix_back(mix, ds_mixed, dz_mixed, s, z, dtype: torch.dtype):
+def _gram_in_mix(s: torch.Tensor) -> bool:
+    """Whether the backward's mix^T launch over summaries like s (block-major) also forms dmix (`mix_back`)."""
+    m = s.shape[0]
+    return mixes_with_kernel(s) and _reads_mix_as_is(m) and m <= CONFIG["mix"]["gram_up_to"]
+
+
+def mix_back(mix, ds_mixed, dz_mixed, s, z, dtype: torch.dtype, gram: torch.Tensor | None = None):
     """(dS, dz or None, dmix in fp32) from the gradients of the mixed summaries (dz~ and z None unnormalized). Short
-    sequences: one launch, whose mix^T walk also forms dmix from the tiles it mixes; else two Gram launches and the
-    mix^T products."""
-    m = ds_mixed.shape[0]
-    if mixes_with_kernel(ds_mixed) and _reads_mix_as_is(m) and m <= CONFIG["mix"]["gram_up_to"]:
-        return mix_with_kernel(mix.t(), ds_mixed, dz_mixed, gram_with=(s, z))
+    sequences (`_gram_in_mix`): one launch, whose mix^T walk also forms dmix from the tiles it mixes, into `gram`
+    where given (already zeroed); else two Gram launches and the mix^T products."""
+    if _gram_in_mix(ds_mixed):
+        return mix_with_kernel(mix.t(), ds_mixed, dz_mixed, gram_with=(s, z), gram=gram)
     dmix = block_gram(ds_mixed, s, dtype)
     if dz_mixed is not None:
         dmix += block_gram(dz_mixed, z, dtype)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from . import compiled
 from .fitting import launch_within_card
-from .mhla import _await_inputs, _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
+from .mhla import _await_inputs, _clear, _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
 from .sizes import cdiv, head_tiles, pow2
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
@@ -190,12 +190,14 @@ def _parallel_grad_kernel(
     of blocks (b, b').
 
     Not KEYS: a program owns OWN queries and walks all keys in WALK-token tiles: dq, and c, stored for the KEYS
-    launch after it. KEYS: a program owns OWN keys and walks all queries: dk, dv and its share of dmix (the
-    queries' one-hot sums E_q^T (dP * A) kept per key, multiplied by the keys' one-hot once, one atomic add of
-    the (blocks x blocks) tile). Head tiles as in `_parallel_kernel` (TAIL_D, TAIL_DV: a second column tile)."""
+    launch after it, and (its first program) zeroes dmix. KEYS: a program owns OWN keys and walks all queries: dk,
+    dv and its share of dmix (the queries' one-hot sums E_q^T (dP * A) kept per key, multiplied by the keys' one-hot
+    once, one atomic add of the (blocks x blocks) tile). Head tiles as in `_parallel_kernel` (TAIL_D, TAIL_DV: a second column tile)."""
     _await_inputs(PDL)
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
+    if not KEYS:  # dmix, which the KEYS launch after this one adds into: no fill launch of its own
+        _clear(dmix_ptr, M * M, (bh == 0) & (pid == 0))
     b, h = bh // heads, bh % heads
     q_ptr = _head(q_ptr, b, h, sqb, sqh, HEAD_ALIGN)
     k_ptr = _head(k_ptr, b, h, skb, skh, HEAD_ALIGN)
@@ -382,11 +384,11 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
 
 def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normalize: bool):
     """(dq, dk, dv, dmix) of `parallel_output` from its output o and rden: the query launch (dq, and c per query),
-    then the key launch (dk, dv, dmix summed over programs in fp32)."""
+    then the key launch (dk, dv, dmix summed over programs in fp32, into the buffer the query launch zeroed)."""
     batch, n, heads, _ = q.shape
     dq, dk = torch.empty(q.shape, device=q.device, dtype=q.dtype), torch.empty(k.shape, device=q.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
-    dmix = torch.zeros(mix.shape, device=q.device, dtype=torch.float32)
+    dmix = torch.empty(mix.shape, device=q.device, dtype=torch.float32)  # zeroed by the query launch
     c = torch.empty_like(rden)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, do, o, dq, dk, dv))
     for keys, dx in ((False, dq), (True, dk)):

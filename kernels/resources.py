@@ -42,7 +42,8 @@ from .sizes import cdiv, pow2
 HOPPER = GPUTarget("cuda", 90, 32)
 # Pointers an all-bf16 call passes as fp32 (normalizer sums, per-token scalars). Summaries S, S~ (state_dtype), the
 # mixing matrix as the mixing kernel gets it and, since `ops.rope.kernel_table`, RoPE tables are bf16 for bf16 inputs.
-FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "zout_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr", "dz_ptr"}
+FP32_POINTERS = {"ys_ptr", "zw_ptr", "z_ptr", "zout_ptr", "vec_ptr", "rden_ptr", "c_ptr", "xs_ptr", "qs_ptr", "dz_ptr",
+                 "clear_ptr"}
 # Pointer types of a token-kernel call by input type: (the inputs' and outputs', pointers that are fp32). fp16 inputs
 # keep S and RoPE tables in fp32 (`mhla.state_dtype`, `ops.rope.kernel_table`).
 POINTER_TYPES = {torch.bfloat16: ("*bf16", FP32_POINTERS),
@@ -81,8 +82,8 @@ KERNELS = {
         NORM_X=True)),
     "output rope norms": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=True, NORMALIZE=False,
                                                              NORM_Q=True, OUT_NORM=True)),
-    "grad dq": (mhla._grad_kernel, "grad", dict(
-        DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False)),
+    "grad dq": (mhla._grad_kernel, "grad", dict(  # at 60 blocks dmix's buffer is zeroed here (`output_backward`)
+        DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False, CLEAR=True)),
     "grad dk dv": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True)),
     "grad dk dv rope": (mhla._grad_kernel, "grad", dict(  # as Wan uses it: RoPE, unnormalized
@@ -99,8 +100,10 @@ KERNELS = {
         ATOMIC=False, D=72, DV=72), DIT_1024_BLOCK_TOKENS),
     "output d72": (mhla._output_kernel, "output", dict(DV_TILES=1, ELU=False, ROPE=False, NORMALIZE=True, D=72, DV=72),
                    DIT_BLOCK_TOKENS),
-    "grad dq d72, summaries": (mhla._grad_kernel, "grad", dict(  # dS~ and dz~ of the one-tile blocks in the launch
-        DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False, SUMMARIZE=True, D=72, DV=72),
+    # dS~ and dz~ of the one-tile blocks in the launch, and dmix's buffer zeroed for the mixing launch after it
+    "grad dq d72, summaries": (mhla._grad_kernel, "grad", dict(
+        DV_TILES=1, ELU=False, ROPE=False, STATS=True, USE_VEC=True, WITH_DY=False, SUMMARIZE=True, CLEAR=True, D=72,
+        DV=72),
         DIT_BLOCK_TOKENS),
     "grad dk dv d72": (mhla._grad_kernel, "grad", dict(
         DV_TILES=1, ELU=False, ROPE=False, STATS=False, USE_VEC=True, WITH_DY=True, D=72, DV=72), DIT_BLOCK_TOKENS),

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from mhla_diffusion.blocks import block_geometry, locality_mix  # noqa: E402
-from mhla_diffusion.kernels import mhla, op, parallel, rms_norm  # noqa: E402
+from mhla_diffusion.kernels import compiled, mhla, op, parallel, rms_norm  # noqa: E402
 from mhla_diffusion.kernels.op import (mhla_output, mhla_parallel, mhla_rms_norm, mhla_rms_norm_bwd,  # noqa: E402
                                       mhla_summaries)
 from mhla_diffusion.ops import MHLAOptions, mhla_attention, mhla_op, naive  # noqa: E402
@@ -270,6 +270,34 @@ def stage_case(launch):
     return errors
 
 
+# The buffers a launch zeroes for a later one to add into (`mhla._clear`): the grad launch's with CLEAR, the quadratic
+# form's dmix in its query launch.
+CLEARED = {"_grad_kernel": ("clear_ptr", lambda kw: kw.get("CLEAR")),
+           "_parallel_grad_kernel": ("dmix_ptr", lambda kw: not kw["KEYS"])}
+
+
+@contextlib.contextmanager
+def poisoning_cleared():
+    """Every buffer a launch is to zero (CLEARED) filled with NaN just before that launch: a clear that misses any of
+    it makes the gradient that adds into it NaN, where a fresh CPU buffer would often be zeros already. Counts the
+    poisoned launches."""
+    launch = compiled.launch
+    counter = types.SimpleNamespace(calls=0)
+
+    def poisoned(kernel, grid, *args, **kwargs):
+        name = kernel.fn.__name__
+        if name in CLEARED and CLEARED[name][1](kwargs):
+            args[kernel.arg_names.index(CLEARED[name][0])].fill_(float("nan"))
+            counter.calls += 1
+        return launch(kernel, grid, *args, **kwargs)
+
+    compiled.launch = poisoned
+    try:
+        yield counter
+    finally:
+        compiled.launch = launch
+
+
 def mixing_kernel_op_case():
     """The op where its mixing runs on `_mix_kernel` (bf16 summaries at up to CONFIG["mix"]["fold_up_to"] blocks on a
     GPU; here fp32 ones let through, which the interpreter multiplies exactly): its backward mixes dS~ (and dz~) back
@@ -283,7 +311,8 @@ def mixing_kernel_op_case():
         for normalize, keep_up_to, summarize_up_to in ((True, 32, 64), (False, 32, 64), (True, 0, 0)):
             with (overriding(mhla.CONFIG["mix"], keep_up_to=keep_up_to), counting(mhla, "block_gram") as grams,
                   overriding(mhla.CONFIG["grad"], summarize_up_to=summarize_up_to, block_n=32),
-                  counting(mhla, "mix_with_kernel") as mixes, counting(mhla, "block_summaries") as summaries):
+                  counting(mhla, "mix_with_kernel") as mixes, counting(mhla, "block_summaries") as summaries,
+                  poisoning_cleared() as poisoned):
                 found = op_case((2, 5, 7), (1, 2, 3), 2, 16, 24, normalize=normalize, feature="elu", seed=3)
             errors.update({f"normalize={normalize} keep_up_to={keep_up_to} summarize_up_to={summarize_up_to} {k}": v
                            for k, v in found.items() if k != "dtype"})
@@ -293,6 +322,7 @@ def mixing_kernel_op_case():
             # the summaries of k twice; of dO unless the q-side grad launch made them (blocks of up to 18 tokens in one
             # 32-token tile; SPLIT, an earlier case's, leaves 16)
             assert summaries.calls == (2 if summarize_up_to else 3), f"summary launches {summaries.calls}"
+            assert poisoned.calls == 1, f"launches clearing dmix {poisoned.calls}"  # the q-side grad launch's
     finally:
         mhla.mixes_with_kernel = allowed
     return errors
@@ -416,9 +446,10 @@ def parallel_case():
                 ref.backward(do.double())
                 for tiles in PARALLEL_TILINGS if feature == "elu" else ("shipped", "split heads"):
                     leaves = [t.detach().requires_grad_() for t in (*qk, v, mix)]
-                    with overriding(parallel.CONFIG, **PARALLEL_TILINGS[tiles]):
+                    with overriding(parallel.CONFIG, **PARALLEL_TILINGS[tiles]), poisoning_cleared() as poisoned:
                         out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], normalize, 1e-6, feature)
                         out.backward(do)
+                    assert poisoned.calls == 1, f"launches clearing dmix {poisoned.calls}"
                     label = f"{name} {feature} normalize={normalize} tiles {tiles}"
                     errors[f"{label}: o"] = rel(out, ref)
                     errors.update({f"{label}: d{x}": rel(a.grad, r.grad)

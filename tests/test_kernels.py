@@ -766,8 +766,10 @@ def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(m
     """`output_forward` and `output_backward` (the op's mixing, forward, and backward with the mix^T products) at 30
     blocks with bf16 inputs: one mixing launch per direction with z folded in, and the token kernels get the mixed
     z it returns; the backward's mix^T launch also forms dmix from the dS~ and dz~ it mixes and the forward's S and
-    z, into the zeroed buffer the backward returns: no `_gram_kernel` launch. The mixing launches are recorded, the
-    token kernels replaced by recorders of their inputs (values: kernels_interp.py, "mixing kernel in the op")."""
+    z, into the buffer the backward returns, which the q-side grad launch before it zeroes (`block_grad(clear=)`): no
+    `_gram_kernel` launch and no fill. The mixing launches are recorded, the token kernels replaced by recorders of
+    their inputs (values, with that buffer poisoned until the grad launch clears it: kernels_interp.py, "mixing
+    kernel in the op")."""
     from mhla_diffusion.blocks import block_geometry
     from mhla_diffusion.kernels import mhla
 
@@ -777,8 +779,9 @@ def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(m
     m = 30
     ds_mixed, dz_mixed = torch.randn(m, 2, 8, 8, dtype=torch.bfloat16), torch.rand(m, 2, 8)
     monkeypatch.setattr(mhla, "block_output", lambda q, s, z, *a, **kw: seen.append(z) or q)
-    monkeypatch.setattr(mhla, "block_grad",
-                        lambda x, y, s, z, *a, **kw: seen.append(z) or (x, None, x[..., 0], x[..., 0], None))
+    cleared = []
+    monkeypatch.setattr(mhla, "block_grad", lambda x, y, s, z, *a, **kw: seen.append(z) or cleared.append(
+        kw.get("clear")) or (x, None, x[..., 0], x[..., 0], None))
     monkeypatch.setattr(mhla, "block_summaries", lambda q, do, *a, **kw: (ds_mixed, dz_mixed))
     grid, blocks = (1, 10, 12), (1, 5, 6)
     q = torch.randn(1, 120, 2, 8, dtype=torch.bfloat16)
@@ -787,16 +790,45 @@ def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(m
     s, z = torch.randn(m, 2, 8, 8, dtype=torch.bfloat16), torch.rand(m, 2, 8)
     kw = dict(elu=False, normalize=True, eps=1e-6)
     mhla.output_forward(q, mix, s, z, None, g, **kw)
-    _, dmix, ds, dz = mhla.output_backward(q, q, mix, s, z, None, g, **kw)
+    backward = []
+    calls = _aten_calls(lambda: backward.extend(mhla.output_backward(q, q, mix, s, z, None, g, **kw)))
+    _, dmix, ds, dz = backward
     assert [kwargs["WITH_Z"] for _, kwargs in launches] == [True, True, True]
     assert [kwargs["GRAM"] for _, kwargs in launches] == [False, False, True] and grams == []
     assert [args[0].stride() for args, _ in launches] == [mix.stride(), mix.stride(), mix.t().stride()]
     assert [z_in.data_ptr() for z_in in seen] == [args[4].data_ptr() for args, _ in launches[:2]]
     back = launches[2][0]  # mix, dS~, dS, dz~, dz, S, z, the Gram's buffer, ...
     assert [back[i].data_ptr() for i in (1, 3, 5, 6)] == [t.data_ptr() for t in (ds_mixed, dz_mixed, s, z)]
-    assert back[7].shape == (m, m) and back[7].dtype == torch.float32 and not back[7].any()
+    assert back[7].shape == (m, m) and back[7].dtype == torch.float32
+    assert not {"zeros", "zero_", "fill_", "fill"} & set(calls), calls
+    assert len(cleared) == 1 and cleared[0] is not None and cleared[0].data_ptr() == back[7].data_ptr()
     assert dmix.data_ptr() == back[7].data_ptr() and dmix.dtype == mix.dtype
     assert ds.shape == s.shape and dz.data_ptr() == back[4].data_ptr()
+
+
+def test_the_quadratic_forms_backward_has_its_query_launch_clear_dmix_not_a_fill(monkeypatch):
+    """`parallel.parallel_grad` (the quadratic form's backward, DiT-XL/2 256 px and PixArt's short calls): two launches
+    and no fill; dmix, which the key launch adds into, is the buffer the query launch gets and zeroes (KEYS=False:
+    `_clear` from its first program), the one returned. The launches are recorded, not run (values, with dmix
+    poisoned until the query launch runs: kernels_interp.py, "parallel form")."""
+    from mhla_diffusion.blocks import resolve_blocks
+    from mhla_diffusion.kernels import parallel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = _record_launches(monkeypatch, ("_parallel_grad_kernel",))["_parallel_grad_kernel"]
+    grid = (1, 16, 16)
+    blocks = resolve_blocks(grid, "auto")
+    q, k, v, do, o = (torch.randn(1, 256, 2, 72, dtype=torch.bfloat16) for _ in range(5))
+    mix = locality_mix(blocks).float()
+    rden = torch.rand(2, 256)
+    got = []
+    calls = _aten_calls(lambda: got.extend(parallel.parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, elu=False,
+                                                                   normalize=True)))
+    assert not {"zeros", "zero_", "fill_", "fill"} & set(calls), calls
+    assert [kwargs["KEYS"] for _, kwargs in launches] == [False, True]
+    dmix = got[3]
+    assert dmix.shape == mix.shape and dmix.dtype == torch.float32
+    assert [args[10].data_ptr() for args, _ in launches] == [dmix.data_ptr()] * 2
 
 
 def _aten_calls(fn) -> list:
