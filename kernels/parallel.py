@@ -192,7 +192,8 @@ def _parallel_grad_kernel(
     Not KEYS: a program owns OWN queries and walks all keys in WALK-token tiles: dq, and c, stored for the KEYS
     launch after it, and (its first program) zeroes dmix. KEYS: a program owns OWN keys and walks all queries: dk,
     dv and its share of dmix (the queries' one-hot sums E_q^T (dP * A) kept per key, multiplied by the keys' one-hot
-    once, one atomic add of the (blocks x blocks) tile). Head tiles as in `_parallel_kernel` (TAIL_D, TAIL_DV: a second column tile)."""
+    once, one atomic add of the (blocks x blocks) tile). Head tiles as in `_parallel_kernel` (TAIL_D, TAIL_DV: a
+    second column tile)."""
     _await_inputs(PDL)
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
