@@ -762,6 +762,10 @@ def test_short_sequences_mix_s_and_z_in_one_launch_on_mix_as_it_is(m, transposed
             mhla.mix_with_kernel(torch.rand(69, 69), s69, z, gram_with=gram_with)
 
 
+# aten ops that write zeros or a constant into a buffer: each a fill launch on the GPU
+FILL_OPS = {"zeros", "zeros_like", "zero_", "fill_", "fill"}
+
+
 def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(monkeypatch):
     """`output_forward` and `output_backward` (the op's mixing, forward, and backward with the mix^T products) at 30
     blocks with bf16 inputs: one mixing launch per direction with z folded in, and the token kernels get the mixed
@@ -800,7 +804,7 @@ def test_the_op_mixes_s_and_z_together_forward_and_backward_at_short_sequences(m
     back = launches[2][0]  # mix, dS~, dS, dz~, dz, S, z, the Gram's buffer, ...
     assert [back[i].data_ptr() for i in (1, 3, 5, 6)] == [t.data_ptr() for t in (ds_mixed, dz_mixed, s, z)]
     assert back[7].shape == (m, m) and back[7].dtype == torch.float32
-    assert not {"zeros", "zero_", "fill_", "fill"} & set(calls), calls
+    assert not FILL_OPS & set(calls), calls
     assert len(cleared) == 1 and cleared[0] is not None and cleared[0].data_ptr() == back[7].data_ptr()
     assert dmix.data_ptr() == back[7].data_ptr() and dmix.dtype == mix.dtype
     assert ds.shape == s.shape and dz.data_ptr() == back[4].data_ptr()
@@ -824,7 +828,7 @@ def test_the_quadratic_forms_backward_has_its_query_launch_clear_dmix_not_a_fill
     got = []
     calls = _aten_calls(lambda: got.extend(parallel.parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, elu=False,
                                                                    normalize=True)))
-    assert not {"zeros", "zero_", "fill_", "fill"} & set(calls), calls
+    assert not FILL_OPS & set(calls), calls
     assert [kwargs["KEYS"] for _, kwargs in launches] == [False, True]
     dmix = got[3]
     assert dmix.shape == mix.shape and dmix.dtype == torch.float32
@@ -875,14 +879,14 @@ def test_the_backward_takes_the_forwards_mixed_summaries_and_no_zeros(route, m, 
     o, mixed_s, mixed_z = call(op.mhla_output, q, mix, s, z, None, None, None, 0.0, None, 0.0, *args)
     assert [mixed_s.shape, mixed_z.shape] == [s.shape, z.shape]
     calls = _aten_calls(lambda: o.sum().backward())
-    assert not {"zeros", "zeros_like", "zero_", "fill_"} & set(calls), calls
+    assert not FILL_OPS & set(calls), calls
     if kept:
         assert [t.data_ptr() for t in seen["mixed"]] == [mixed_s.data_ptr(), mixed_z.data_ptr()]
     else:
         assert seen["mixed"] is None
     o, rden = call(op.mhla_parallel, q, q, q, mix, *args)
     calls = _aten_calls(lambda: o.sum().backward())
-    assert not {"zeros", "zeros_like", "zero_", "fill_"} & set(calls), calls
+    assert not FILL_OPS & set(calls), calls
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["mix", "mix^T"])
