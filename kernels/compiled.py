@@ -25,11 +25,16 @@ from triton.runtime.jit import JITFunction
 # programmatic dependent launches on cards that have them (sm_90 on): the launch overlaps the tail of the kernel
 # before it, where a short sequence's op is a chain of small kernels. H100, session 45 (`bench op --versus`, CUDA-graph
 # replay, off -> on, ms): forward DiT-XL/2 512 px 0.0205 -> 0.0198, SANA-1.6B 1K 0.0260 -> 0.0247, DiT-XL/2 256 px
-# (one launch) 0.00829 -> 0.00802; forward+backward 0-3 % lower. "trigger_dependents": each such kernel also lets the
-# next launch start once all its programs have passed their wait, not once they exit (PDL=2). Off: H100, session 46
-# (`bench op --versus compiled.CONFIG.trigger_dependents=True`, on / off) it went both ways: forward 1.104x at DiT-XL/2
-# 512 px and 0.977x at 256 px, f+b 1.090x at 256 px and 0.974x at 384 px, 0.98-1.01 at 1024 px, SANA 1K and Wan 480p.
-CONFIG = {"dependent_launch": True, "trigger_dependents": False}
+# (one launch) 0.00829 -> 0.00802; forward+backward 0-3 % lower. "trigger_dependents": the launches (`LAUNCHES`) whose
+# kernel also lets the next launch start once all its programs have passed their wait, not once they exit (PDL=2).
+# All of them at once went both ways: H100, session 46 (on / off) forward 1.104x at DiT-XL/2 512 px and 0.977x at 256
+# px, f+b 1.090x at 256 px and 0.974x at 384 px, 0.98-1.01 at 1024 px, SANA 1K and Wan 480p; so it names launches.
+CONFIG = {"dependent_launch": True, "trigger_dependents": ()}
+# The op's launches by name (`launch`'s `name`): the linear path's forward (summaries, mixing, output) and backward
+# (the q-side gradients, the mix^T launch, the k/v-side gradients), and the quadratic form's forward and two backward
+# launches.
+LAUNCHES = ("summaries", "mix", "output", "grad_queries", "mix_back", "grad_keys", "parallel", "parallel_grad_queries",
+            "parallel_grad_keys")
 # (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,
 # each with its default)
 _COMPILED: dict = {}
@@ -38,9 +43,9 @@ _HOPPER_ON: dict = {}  # device index -> whether its card has programmatic depen
 _WAITS: dict = {}  # kernel -> whether it has the PDL parameter (waits for its inputs first)
 
 
-def _dependent(kernel, device: int) -> int:
-    """`kernel`'s PDL on `device` (`CONFIG`, `mhla._await_inputs`): 0, a plain launch; 1, a programmatic dependent
-    launch; 2, one that also lets the next launch start early."""
+def _dependent(kernel, device: int, name: str) -> int:
+    """`kernel`'s PDL on `device` as launch `name` (`CONFIG`, `mhla._await_inputs`): 0, a plain launch; 1, a
+    programmatic dependent launch; 2, one that also lets the next launch start early."""
     if not CONFIG["dependent_launch"]:
         return 0
     if kernel not in _WAITS:
@@ -49,15 +54,15 @@ def _dependent(kernel, device: int) -> int:
         return 0
     if device not in _HOPPER_ON:
         _HOPPER_ON[device] = torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
-    return _HOPPER_ON[device] * (1 + CONFIG["trigger_dependents"])
+    return _HOPPER_ON[device] * (1 + (name in CONFIG["trigger_dependents"]))
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def launch(kernel, grid: tuple, *args, name: str = "", **kwargs) -> None:
     """`kernel[grid](*args, **kwargs)` (a grid of one to three ints): on a launch key seen before, the compiled
     kernel's own launcher with the arguments in the kernel's parameter order (defaults where a parameter is not given);
-    the JIT's otherwise. Programmatic dependent where `_dependent` says."""
+    the JIT's otherwise. Programmatic dependent where `_dependent` says; `name`: which of `LAUNCHES` this is."""
     device = torch.cuda.current_device() if isinstance(kernel, JITFunction) else None  # none interpreted
-    pdl = _dependent(kernel, device)
+    pdl = _dependent(kernel, device, name)
     if pdl:
         kwargs.update(PDL=pdl, launch_pdl=True)
     if not (_direct and device is not None) or kernel.pre_run_hooks:

@@ -852,7 +852,7 @@ def block_summaries(x, y, rope, g: Geometry, *, elu: bool, with_z: bool, y_scale
             s, z, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok,
             BLOCK_N=settings["block_n"], BLOCK_DV=block_dv, DV_TILES=dv_tiles, Z_IN_DOT=z_in_dot, ATOMIC=splits > 1,
-            KEEP=settings["keep"], **flags,
+            KEEP=settings["keep"], name="summaries", **flags,
             **_launch(settings),
         )
         return s.to(state), z
@@ -900,7 +900,7 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
             q.stride(0), q.stride(1), q.stride(2), *cs, o.stride(0), o.stride(1), o.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, out_eps,
             BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=dv_tiles, STREAM=settings["stream"],
-            PREFETCH=settings["prefetch"], **flags,
+            PREFETCH=settings["prefetch"], name="output", **flags,
             **_launch(settings),
         )
         return o
@@ -943,7 +943,7 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, 0 if clear is None else clear.numel(),
             BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]),
-            SUMMARIZE=summaries is not None, CLEAR=clear is not None,
+            SUMMARIZE=summaries is not None, CLEAR=clear is not None, name="grad_keys" if with_dy else "grad_queries",
             **flags, **grad_options(settings, summaries is not None, block_d),
         )
         return summaries
@@ -1047,7 +1047,8 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
         compiled.launch(_mix_kernel, grid, a, flat, out, z_flat, z_out, ps, pz, out if gram is None else gram, m,
                         flat.shape[1], z_flat.shape[1], m if direct else a.shape[1], a.stride(0), a.stride(1),
                         flat.stride(0), flat.stride(1), z_flat.stride(0), z_flat.stride(1), ps.stride(0), ps.stride(1),
-                        pz.stride(0), pz.stride(1), GRAM=gram is not None, **kwargs)
+                        pz.stride(0), pz.stride(1), GRAM=gram is not None,
+                        name="mix" if gram_with is None else "mix_back", **kwargs)
 
     launch_within_card(_mix_kernel, s.device, _mix_settings(m, gram is not None), step_tiles("mix"),
                        {"dtype": s.dtype, "M": m, "z": z is not None, "gram": gram is not None}, launch)

@@ -22,7 +22,8 @@ TABLES = {"mhla.CONFIG": mhla.CONFIG, "mhla.ROPE_CONFIG": mhla.ROPE_CONFIG, "mhl
 TOKEN_KERNELS = {kernel: mhla.CONFIG[kernel] for kernel in ("summary", "output", "grad")}
 OVERRIDDEN = dict.fromkeys(("mhla.ROPE_CONFIG", "mhla.SHORT_CONFIG", "mhla.SHORTEST_CONFIG"), TOKEN_KERNELS)
 # Settings whose value is a tuple of names, and the names each takes.
-NAMES = {("parallel.CONFIG", ("split_heads",)): parallel.SPLIT_KERNELS}
+NAMES = {("parallel.CONFIG", ("split_heads",)): parallel.SPLIT_KERNELS,
+         ("compiled.CONFIG", ("trigger_dependents",)): compiled.LAUNCHES}
 
 
 def _keys_holding_none() -> set:

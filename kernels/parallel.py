@@ -376,7 +376,8 @@ def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, e
 
     def launch(tiles):
         compiled.launch(_parallel_kernel, (batch * heads, cdiv(n, tiles["OWN"])),
-            q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, **meta, **tiles)
+            q, k, v, mix, o, rden, *_strides(q, k, v, o), mix.stride(0), mix.stride(1), *sizes, eps, name="parallel",
+            **meta, **tiles)
 
     launch_within_card(_parallel_kernel, q.device, launch_settings("forward", n, q.shape[-1]), step_tiles("parallel"),
                        meta, launch)
@@ -400,7 +401,7 @@ def parallel_grad(do, q, k, v, mix, o, rden, grid, blocks, *, elu: bool, normali
         def launch(tiles, dx=dx, constexprs=constexprs):
             compiled.launch(_parallel_grad_kernel, (batch * heads, cdiv(n, tiles["OWN"])),
                 q, k, v, mix, do, o, rden, c, dx, dv, dmix, *_strides(q, k, v, do, o, dx, dv), mix.stride(0),
-                mix.stride(1), *sizes, **constexprs, **tiles)
+                mix.stride(1), *sizes, name=f"parallel_{kernel}", **constexprs, **tiles)
 
         launch_within_card(_parallel_grad_kernel, q.device, launch_settings(kernel, n, q.shape[-1]),
                            step_tiles("parallel"), constexprs, launch)

@@ -135,7 +135,7 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
     """`compiled.launch` (no GPU here: the JIT and the kernel it compiles are recorders): a kernel with a PDL parameter
     launches as a programmatic dependent launch (PDL=1, and launch_pdl=True: the compile option Triton's launcher
     reads) on sm_90 and later, through the JIT and then through the kernel it compiled; PDL=2 (which also lets the next
-    launch start early) with `compiled.CONFIG["trigger_dependents"]` on; an sm_89 card, an AMD card (whose
+    launch start early) for a launch `compiled.CONFIG["trigger_dependents"]` names, and not for another; an sm_89 card, an AMD card (whose
     capability reads 9.4), a kernel without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch as
     before, under a key of their own."""
     from triton.runtime.jit import JITFunction
@@ -167,17 +167,18 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
     for _ in range(2):
         compiled.launch(waits, (2,), buf, 32, BLOCK=16)
     compiled.launch(plain, (2,), buf, 32, 1e-6, BLOCK=16)
-    with overridden(["compiled.CONFIG.trigger_dependents=True"]):
+    with overridden(["compiled.CONFIG.trigger_dependents=('mix', 'output')"]):
         for _ in range(2):
-            compiled.launch(waits, (2,), buf, 32, BLOCK=16)
+            compiled.launch(waits, (2,), buf, 32, BLOCK=16, name="output")
+        compiled.launch(waits, (2,), buf, 32, BLOCK=16, name="summaries")
     with overridden(["compiled.CONFIG.dependent_launch=False"]):
         for _ in range(2):
             compiled.launch(waits, (2,), buf, 32, BLOCK=16)
     if capability >= (9, 0) and hip is None:
         assert launches == [("jit", 1, True), ("compiled", 1, 1), ("jit", 0, False), ("jit", 2, True),
-                            ("compiled", 2, 4), ("jit", 0, False), ("compiled", 0, 6)]
+                            ("compiled", 2, 4), ("compiled", 1, 1), ("jit", 0, False), ("compiled", 0, 7)]
     else:
-        assert launches == [("jit", 0, False), ("compiled", 0, 1), ("jit", 0, False), *[("compiled", 0, 1)] * 4]
+        assert launches == [("jit", 0, False), ("compiled", 0, 1), ("jit", 0, False), *[("compiled", 0, 1)] * 5]
 
 
 def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
@@ -1228,3 +1229,31 @@ def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, made_once,
     assert all(torch.equal(a, b.to(expected)) for a, b in zip(seen[0], tables))
     if dtype == torch.bfloat16:  # the rounded copies: made again each call from a plain tuple, once from RoPETables
         assert (seen[1][0] is seen[0][0]) == made_once
+
+
+@pytest.mark.parametrize(("grid", "names"), [
+    ((1, 16, 16), ["parallel", "parallel_grad_queries", "parallel_grad_keys"]),
+    ((1, 32, 32), ["summaries", "mix", "output", "grad_queries", "mix_back", "grad_keys"]),
+], ids=["quadratic form, 256 tokens", "linear path, 1024 tokens"])
+def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_launch(grid, names, monkeypatch):
+    """`compiled.CONFIG["trigger_dependents"]` names the launches that let the next one start early: the op's
+    forward+backward through `mhla_attention` (bf16, DiT's heads: the quadratic form at 256 tokens, the linear path's
+    six launches at 1,024) hands `compiled.launch` each of its launches' names, in order, all of `compiled.LAUNCHES`;
+    a setting naming anything else is refused. The kernels are recorders (nothing runs)."""
+    from mhla_diffusion.blocks import resolve_blocks
+    from mhla_diffusion.kernels import compiled
+    from mhla_diffusion.kernels.overrides import parse
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _record_launches(monkeypatch)
+    named, launch = [], compiled.launch
+    monkeypatch.setattr(compiled, "launch", lambda kernel, grid, *a, name="", **kw: named.append(name) or launch(
+        kernel, grid, *a, **kw))
+    blocks = resolve_blocks(grid, "auto")
+    q, k, v = (torch.randn(1, math.prod(grid), 16, 72, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mix = locality_mix(blocks).requires_grad_()
+    mhla_attention(q, k, v, mix, grid, blocks, backend="triton").sum().backward()
+    assert named == names and set(names) <= set(compiled.LAUNCHES)
+    assert parse("compiled.CONFIG.trigger_dependents=('mix_back', 'grad_queries')")[2] == ("mix_back", "grad_queries")
+    with pytest.raises(ValueError, match="names kernels of"):
+        parse("compiled.CONFIG.trigger_dependents=('mix_backward',)")
