@@ -26,10 +26,13 @@ from triton.runtime.jit import JITFunction
 # before it, where a short sequence's op is a chain of small kernels. H100, session 45 (`bench op --versus`, CUDA-graph
 # replay, off -> on, ms): forward DiT-XL/2 512 px 0.0205 -> 0.0198, SANA-1.6B 1K 0.0260 -> 0.0247, DiT-XL/2 256 px
 # (one launch) 0.00829 -> 0.00802; forward+backward 0-3 % lower. "trigger_dependents": the launches (`LAUNCHES`) whose
-# kernel also lets the next launch start once all its programs have passed their wait, not once they exit (PDL=2).
-# All of them at once went both ways: H100, session 46 (on / off) forward 1.104x at DiT-XL/2 512 px and 0.977x at 256
-# px, f+b 1.090x at 256 px and 0.974x at 384 px, 0.98-1.01 at 1024 px, SANA 1K and Wan 480p; so it names launches.
-CONFIG = {"dependent_launch": True, "trigger_dependents": ()}
+# kernel also lets the next launch start once all its programs have passed their wait, not once they exit (PDL=2):
+# the next one's programs then sit on SM slots while this one runs. H100, session 55 (`bench op --versus`, f+b, on /
+# off): the backward's q-side gradient and mix^T launches 0.979x at DiT-XL/2 384 px, 0.989x at 512 px, 0.982x at
+# SANA-1.6B 1K, 1.000x at 256 px (the quadratic form); the summaries' trigger 1.02-1.12x slower in the forward, the
+# mixing launch's 1.056x at 384 px, the quadratic form's query launch's 1.11x f+b at 256 px. The output launch's
+# trigger (forward 0.98x) only lets the benchmark's next replay start early: in a model a GEMM follows it.
+CONFIG = {"dependent_launch": True, "trigger_dependents": ("grad_queries", "mix_back")}
 # The op's launches by name (`launch`'s `name`): the linear path's forward (summaries, mixing, output) and backward
 # (the q-side gradients, the mix^T launch, the k/v-side gradients), and the quadratic form's forward and two backward
 # launches.
