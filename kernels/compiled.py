@@ -34,8 +34,8 @@ from triton.runtime.jit import JITFunction
 # trigger (forward 0.98x) only lets the benchmark's next replay start early: in a model a GEMM follows it.
 CONFIG = {"dependent_launch": True, "trigger_dependents": ("grad_queries", "mix_back")}
 # The op's launches by name (`launch`'s `name`): the linear path's forward (summaries, mixing, output) and backward
-# (the q-side gradients, the mix^T launch, the k/v-side gradients), and the quadratic form's forward and two backward
-# launches.
+# (the q-side gradients, the mix^T launch that also forms dmix, at up to 64 blocks: past that its products launch as
+# "mix"; the k/v-side gradients), and the quadratic form's forward and two backward launches.
 LAUNCHES = ("summaries", "mix", "output", "grad_queries", "mix_back", "grad_keys", "parallel", "parallel_grad_queries",
             "parallel_grad_keys")
 # (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,

@@ -135,9 +135,9 @@ def test_kernels_that_wait_for_their_inputs_launch_dependent_on_cards_that_have_
     """`compiled.launch` (no GPU here: the JIT and the kernel it compiles are recorders): a kernel with a PDL parameter
     launches as a programmatic dependent launch (PDL=1, and launch_pdl=True: the compile option Triton's launcher
     reads) on sm_90 and later, through the JIT and then through the kernel it compiled; PDL=2 (which also lets the next
-    launch start early) for a launch `compiled.CONFIG["trigger_dependents"]` names, and not for another; an sm_89 card, an AMD card (whose
-    capability reads 9.4), a kernel without the parameter, and `compiled.CONFIG["dependent_launch"]` off launch as
-    before, under a key of their own."""
+    launch start early) for a launch `compiled.CONFIG["trigger_dependents"]` names, and not for another; an sm_89 card,
+    an AMD card (whose capability reads 9.4), a kernel without the parameter, and `compiled.CONFIG["dependent_launch"]`
+    off launch as before, under a key of their own."""
     from triton.runtime.jit import JITFunction
 
     from mhla_diffusion.kernels import compiled
