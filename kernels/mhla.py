@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..blocks import BlockGeometry
+from ..mixing import mixing_matrix
 from . import compiled
 from .fitting import launch_within_card
 from .sizes import cdiv, pow2
@@ -514,6 +515,15 @@ def _gram_kernel(a_ptr, b_ptr, out_ptr, M, F, F_PER,
 
 
 @triton.jit
+def _softmax_rows(x, mask_cols):
+    """The row softmax over the columns mask_cols (zero outside them) of an fp32 tile of logits: the mixing matrix as
+    `MixingMatrices` forms it, made where the kernel loads it instead of by a launch of its own."""
+    x = tl.where(mask_cols[None, :], x, float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    return e / tl.sum(e, axis=1)[:, None]
+
+
+@triton.jit
 def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb, spf, first, step,
               BLOCK_F: tl.constexpr, PRECISION: tl.constexpr, GRAM: tl.constexpr, KEEP: tl.constexpr):
     """dst[i, f] = sum_b a[i, b] src[b, f] for the BLOCK_F column tiles first, first + step, ...; int64 row offsets
@@ -542,7 +552,7 @@ def _mix_walk(a, src_ptr, dst_ptr, partner_ptr, i, mask_i, k, M, F, sb, sf, spb,
 def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_ptr, M, F, FZ, KM, smi, smk, ssb, ssf,
                 szb, szf, spsb, spsf, spzb, spzf, s_walks, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
                 BLOCK_K: tl.constexpr, WITH_Z: tl.constexpr, GRAM: tl.constexpr, KEEP: tl.constexpr,
-                PDL: tl.constexpr = 0):
+                SOFTMAX: tl.constexpr = False, PDL: tl.constexpr = 0):
     """out[i, f] = sum_b mix[i, b] s[b, f] ((M, F) s, contiguous (M, F) out), fp32 accumulate (bf16 s in the op,
     where `mixes_with_kernel` sends only bf16; fp32 s, which the interpreter test passes, multiplies in TF32), and
     with WITH_Z the same for the fp32 normalizer sums z (M, FZ) into zout, in full fp32 with mix as given (Triton's
@@ -550,7 +560,8 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_p
     1 / Dv of S's).
     mix: read through its strides (smi, smk) up to column KM, converted to s's type in the kernel: either the
     padded operand `_mix_operand` makes (KM its width, a multiple of 16: vectorized row loads) or, up to
-    CONFIG["mix"]["fold_up_to"] blocks, the fp32 matrix (or the backward's mix^T view) as the caller holds it.
+    CONFIG["mix"]["fold_up_to"] blocks, the fp32 matrix (or the backward's mix^T view) as the caller holds it; with
+    SOFTMAX there, the matrix's logits, each row softmaxed over its KM = M columns as it is loaded.
     Row-stationary: the program holds the BLOCK_M rows of grid axis 0 of mix over all M <= BLOCK_K columns (loaded
     once, kept in shared memory) and walks the BLOCK_F column tiles of s from axis 1's index in steps of s_walks
     (axis 1's programs past s_walks walk z's tiles), the launch's num_stages tiles in flight; the programs of one
@@ -566,6 +577,8 @@ def _mix_kernel(mix_ptr, s_ptr, out_ptr, z_ptr, zout_ptr, ps_ptr, pz_ptr, gram_p
     mask_i = i < M
     k = tl.arange(0, BLOCK_K)
     a = _tile(mix_ptr, i, smi, mask_i, k, smk, k < KM, 0.0, "")
+    if SOFTMAX:
+        a = _softmax_rows(a.to(tl.float32), k < KM)
     z_walk = False
     if WITH_Z:
         z_walk = p >= s_walks
@@ -1019,19 +1032,20 @@ def _reads_mix_as_is(m: int) -> bool:
 
 
 def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None, gram_with=None,
-                    gram: torch.Tensor | None = None):
+                    gram: torch.Tensor | None = None, logits: bool = False):
     """(sum_b mix[i, b] s[b] in s's type, the same of fp32 z or None, the Gram or None) by one `_mix_kernel` launch
     (fp32 accumulate). Up to CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is, and mixes z in the same
     launch: at short sequences the padded copy, its fill and z's own GEMM were three of the forward's seven launches
     (DiT-XL/2 512 px: 6 of its 50 us); z is only taken there. `gram_with`: (S, z or None) shaped as s and z, there
     too: the launch also returns sum over f of s[i, f] S[j, f] + z[i, f] z_gram[j, f], (M x M) fp32 (the backward's
     dmix, from the dS~ and dz~ tiles it mixes back: no `_gram_kernel` launches, their fills and sum), added into
-    `gram` where given (zeroed by an earlier launch: `output_backward`), else into a zero-filled buffer."""
+    `gram` where given (zeroed by an earlier launch: `output_backward`), else into a zero-filled buffer. `logits`:
+    mix holds the matrix's logits, which the kernel softmaxes row by row as it loads them (there too)."""
     flat = s.flatten(1)
     m = s.shape[0]
     direct = _reads_mix_as_is(m)
-    if (z is not None or gram_with is not None) and not direct:
-        raise ValueError(f"the mixing kernel mixes z and forms the Gram in the same launch up to "
+    if (z is not None or gram_with is not None or logits) and not direct:
+        raise ValueError(f"the mixing kernel mixes z, forms the Gram and softmaxes logits in the same launch up to "
                          f"{CONFIG['mix']['fold_up_to']} blocks, not {m}: use `mix_blocks` and `block_gram`")
     a = mix.detach().to(s.device) if direct else _mix_operand(mix, s.dtype, s.device)
     out = torch.empty(flat.shape, device=s.device, dtype=s.dtype)
@@ -1047,7 +1061,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
         compiled.launch(_mix_kernel, grid, a, flat, out, z_flat, z_out, ps, pz, out if gram is None else gram, m,
                         flat.shape[1], z_flat.shape[1], m if direct else a.shape[1], a.stride(0), a.stride(1),
                         flat.stride(0), flat.stride(1), z_flat.stride(0), z_flat.stride(1), ps.stride(0), ps.stride(1),
-                        pz.stride(0), pz.stride(1), GRAM=gram is not None,
+                        pz.stride(0), pz.stride(1), GRAM=gram is not None, SOFTMAX=logits,
                         name="mix" if gram_with is None else "mix_back", **kwargs)
 
     launch_within_card(_mix_kernel, s.device, _mix_settings(m, gram is not None), step_tiles("mix"),
@@ -1080,6 +1094,12 @@ def _tf32(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+def softmaxes_logits(s: torch.Tensor) -> bool:
+    """Whether mixing summaries like s (block-major) can take the matrix's logits: the mixing kernel reading mix as it
+    is softmaxes its rows as it loads them, a launch fewer than PyTorch's softmax before the op."""
+    return mixes_with_kernel(s) and _reads_mix_as_is(s.shape[0])
+
+
 def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """sum_b mix[i, b] s[b]: block-major s makes this one GEMM, (M x M) @ (M x rest), in s's type (fp32
     accumulate; fp32 s in TF32 for 16-bit inputs): `_mix_kernel` where it measured faster (`mixes_with_kernel`),
@@ -1097,13 +1117,16 @@ def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.
         return torch.mm(mix.detach().to(s.dtype), s.flatten(1)).view(s.shape)
 
 
-def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype):
+def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype,
+                  logits: bool = False):
     """(mix @ s, mix @ z) as `mix_blocks` makes each, in one launch where the kernel folds z in (bf16 s, which only
     bf16 inputs have, at up to CONFIG["mix"]["fold_up_to"] blocks; z then in full fp32, not TF32); z None
-    (unnormalized: nothing to mix) gives None."""
-    if z is not None and mixes_with_kernel(s) and _reads_mix_as_is(s.shape[0]):
-        return mix_with_kernel(mix, s, z)[:2]
+    (unnormalized: nothing to mix) gives None. `logits`: mix holds the matrix's logits (`mixing.mixing_matrix`)."""
+    if softmaxes_logits(s):
+        return mix_with_kernel(mix, s, z, logits=logits)[:2]
+    mix = mixing_matrix(mix, logits)
     return mix_blocks(mix, s, dtype), None if z is None else mix_blocks(mix, z, dtype)
+
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1151,10 +1174,11 @@ def keeps_mixed(m: int, tokens: int, d: int) -> bool:
 
 
 def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, q_norm=None,
-                   out_norm=None):
+                   out_norm=None, logits: bool = False):
     """(o, (S~, z~ or None)): the output of the call's queries from the complete summaries (S in `state_dtype`), and
-    the mixed summaries it read (`keeps_mixed`); `block_output` says what q_norm and out_norm apply."""
-    mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype)
+    the mixed summaries it read (`keeps_mixed`); `block_output` says what q_norm and out_norm apply; `logits`: mix
+    holds the matrix's logits (`mix_summaries`)."""
+    mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype, logits)
     o = block_output(q, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, normalize=normalize, eps=eps,
                      out_dtype=q.dtype, q_norm=q_norm, out_norm=out_norm)
     return o, (mixed_s, mixed_z)

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..blocks import block_geometry
+from ..mixing import mixing_matrix
 from ..ops.rope import kernel_tables
 from . import mhla, parallel, rms_norm
 from .capabilities import FEATURES
@@ -161,26 +162,27 @@ def _(ds, dz, k, v, *options):
 
 @_op("mhla_output")
 def mhla_output(
-    q: torch.Tensor, mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+    q: torch.Tensor, mix: torch.Tensor, mix_logits: bool, s: torch.Tensor, z: torch.Tensor,
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     q_weight: Optional[torch.Tensor], qk_eps: float, out_gain: Optional[torch.Tensor], out_eps: float,
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, S~, z~) of the call's queries from the complete summaries (S in `mhla.state_dtype`): the output and the
     mixed summaries it read, which the backward takes where `mhla.keeps_mixed` (z~ empty unnormalized: z is not
-    mixed). q_weight, qk_eps: q RMSNormed across heads on the way; out_gain, out_eps: each head's o RMSNormed and
-    scaled (`mhla.fuses_output_norm` calls only); forward only."""
+    mixed). mix_logits: mix holds the mixing matrix's logits (`mixing_matrix`). q_weight, qk_eps: q RMSNormed
+    across heads on the way; out_gain, out_eps: each head's o RMSNormed and scaled (`mhla.fuses_output_norm` calls
+    only); forward only."""
     g, kw = _decode(q, s, geometry, normalize, eps, feature)
     q = _inner_contiguous(q)
     o, (mixed_s, mixed_z) = mhla.output_forward(q, mix, s, z, _pair(cos, sin), g, **kw,
                                                 q_norm=_rms_norm(q, q_weight, qk_eps),
                                                 out_norm=_pair(None if out_gain is None else out_gain.contiguous(),
-                                                               out_eps))
+                                                               out_eps), logits=mix_logits)
     return o, mixed_s, z.new_empty(0) if mixed_z is None else mixed_z
 
 
 @mhla_output.register_fake
-def _(q, mix, s, z, cos, sin, q_weight, qk_eps, out_gain, out_eps, geometry, normalize, *options):
+def _(q, mix, mix_logits, s, z, cos, sin, q_weight, qk_eps, out_gain, out_eps, geometry, normalize, *options):
     return q.new_empty((*q.shape[:3], s.shape[-1])), s.new_empty(s.shape), z.new_empty(z.shape if normalize else 0)
 
 
@@ -205,16 +207,18 @@ def _(do, q, mix, s, z, *options):
 
 @_op("mhla_parallel")
 def mhla_parallel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, mix_logits: bool,
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, 1 / den per query) of a whole grid's queries in MHLA's quadratic form (`parallel.parallel_output`)."""
+    """(o, 1 / den per query) of a whole grid's queries in MHLA's quadratic form (`parallel.parallel_output`);
+    mix_logits: mix holds the mixing matrix's logits (`mixing_matrix`)."""
     q, k, v = (_inner_contiguous(t) for t in (q, k, v))
-    return parallel.parallel_output(q, k, v, mix, geometry[:3], geometry[3:6], **_options(normalize, eps, feature))
+    return parallel.parallel_output(q, k, v, mix, geometry[:3], geometry[3:6], **_options(normalize, eps, feature),
+                                    logits=mix_logits)
 
 
 @mhla_parallel.register_fake
-def _(q, k, v, mix, geometry, normalize, *options):
+def _(q, k, v, mix, mix_logits, geometry, normalize, *options):
     b, n, heads, _ = q.shape
     return q.new_empty((b, n, heads, v.shape[-1])), q.new_empty((b * heads, n) if normalize else (0,),
                                                                 dtype=torch.float32)
@@ -237,8 +241,16 @@ def _(do, q, k, v, mix, *options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), mix.new_empty(mix.shape)
 
 
+def _mix_grad(dmix: torch.Tensor, matrix: torch.Tensor, mix: torch.Tensor, logits: bool) -> torch.Tensor:
+    """The gradient of what the op was given as mix from dmix, the mixing matrix's: through the rows' softmax where
+    mix held the logits (`mixing_matrix`), in mix's type."""
+    if logits:
+        dmix = torch.ops.aten._softmax_backward_data(dmix.float(), matrix, -1, torch.float32)
+    return dmix.to(mix.dtype)
+
+
 def _save_parallel_inputs(ctx, inputs, output):
-    q, k, v, mix, *options = inputs
+    q, k, v, mix, ctx.mix_logits, *options = inputs
     ctx.set_materialize_grads(False)  # no zeros made for rden, which nothing differentiates
     ctx.save_for_backward(q, k, v, mix, *output)
     ctx.options = options
@@ -246,8 +258,9 @@ def _save_parallel_inputs(ctx, inputs, output):
 
 def _parallel_backward(ctx, do, _):
     q, k, v, mix, o, rden = ctx.saved_tensors
-    dq, dk, dv, dmix = _call(mhla_parallel_bwd, do, q, k, v, mix, o, rden, *ctx.options)
-    return dq, dk, dv, dmix, *(None for _ in ctx.options)
+    matrix = mixing_matrix(mix, ctx.mix_logits)
+    dq, dk, dv, dmix = _call(mhla_parallel_bwd, do, q, k, v, matrix, o, rden, *ctx.options)
+    return dq, dk, dv, _mix_grad(dmix, matrix, mix, ctx.mix_logits), None, *(None for _ in ctx.options)
 
 
 _autograd(mhla_parallel, _parallel_backward, _save_parallel_inputs)
@@ -273,7 +286,7 @@ def _summaries_backward(ctx, ds, dz):
 
 
 def _save_output_inputs(ctx, inputs, output):
-    q, mix, s, z, cos, sin, q_weight, _, out_gain, _, *options = inputs
+    q, mix, ctx.mix_logits, s, z, cos, sin, q_weight, _, out_gain, _, *options = inputs
     _forward_only(q_weight, out_gain)
     ctx.set_materialize_grads(False)  # no zeros made for S~ and z~, which nothing differentiates
     mixed = output[1:] if mhla.keeps_mixed(s.shape[0], q.shape[1], q.shape[-1]) else (None, None)
@@ -283,8 +296,10 @@ def _save_output_inputs(ctx, inputs, output):
 
 def _output_backward(ctx, do, *_):
     q, mix, s, z, mixed_s, mixed_z, cos, sin = ctx.saved_tensors
-    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, mix, s, z, mixed_s, mixed_z, cos, sin, *ctx.options)
-    return dq, dmix, ds, dz, None, None, None, None, None, None, *(None for _ in ctx.options)
+    matrix = mixing_matrix(mix, ctx.mix_logits)
+    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, matrix, s, z, mixed_s, mixed_z, cos, sin, *ctx.options)
+    return (dq, _mix_grad(dmix, matrix, mix, ctx.mix_logits), None, ds, dz, None, None, None, None, None, None,
+            *(None for _ in ctx.options))
 
 
 _autograd(mhla_summaries, _summaries_backward, _save_summaries_inputs)
@@ -341,16 +356,17 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, groups: int, eps: fl
     return _call(mhla_rms_norm, x.reshape(-1, x.shape[-1]), weight, groups, eps)[0].view(x.shape)
 
 
-def mixed_output(q, mix, s, z, cos, sin, args, q_norm=(None, 0.0), out_norm=(None, 0.0)):
+def mixed_output(q, mix, s, z, cos, sin, args, q_norm=(None, 0.0), out_norm=(None, 0.0), mix_logits=False):
     """`mhla_output` from complete summaries of any float type (a slice's are fp32), rounded to `mhla.state_dtype`."""
-    return _call(mhla_output, q, mix, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *q_norm, *out_norm, *args)[0]
+    return _call(mhla_output, q, mix, mix_logits, s.to(mhla.state_dtype(q.dtype)), z, cos, sin, *q_norm, *out_norm,
+                 *args)[0]
 
 
-def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None, norms=None):
+def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None, norms=None, mix_logits=False):
     """The linear path on flattened `op_args`: summaries, `reduce` (for a context-parallel slice: their sum over
     the ranks, differentiable), then mixing and output. `norms` (`ops.norms.Norms`, inference only): q and k
     RMSNormed across heads on the way (one pass over each for its per-token rstd), the output norm in the output
-    kernel where it holds a head's whole Dv, after it otherwise."""
+    kernel where it holds a head's whole Dv, after it otherwise. `mix_logits`: mix holds the matrix's logits."""
     q_norm = k_norm = (None, 0.0)
     if norms is not None:
         q_norm, k_norm = (norms.q_weight, norms.qk_eps), (norms.k_weight, norms.qk_eps)
@@ -358,7 +374,8 @@ def mhla_linear(q, k, v, mix, cos, sin, args, reduce=None, norms=None):
     if reduce is not None:
         s, z = reduce(s, z)
     fuse_out = norms is not None and norms.out_gain is not None and mhla.fuses_output_norm(q.shape[-1], v.shape[-1])
-    out = mixed_output(q, mix, s, z, cos, sin, args, q_norm, (norms.out_gain, norms.out_eps) if fuse_out else (None, 0.0))
+    out = mixed_output(q, mix, s, z, cos, sin, args, q_norm, (norms.out_gain, norms.out_eps) if fuse_out else (None, 0.0),
+                       mix_logits)
     return out if norms is None or fuse_out else norms.output(out, grouped_rms_norm)
 
 
@@ -376,7 +393,8 @@ def _takes_parallel_form(q, k, v, mix, geometry, rope, reduce, norms) -> bool:
     return parallel.uses_parallel_form(q.shape[1], q.dtype, _records_grad((q, k, v, mix)), _runs_as_called(q))
 
 
-def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None, norms=None):
+def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, reduce=None, norms=None,
+                          mix_logits=False):
     """The fused path behind `mhla_attention(..., backend="triton")`: a `BlockGeometry` and `MHLAOptions` the
     dispatch has checked against `capabilities`.
 
@@ -384,10 +402,12 @@ def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, r
     then takes the slice's partial summaries (S, z) to complete ones (`ops.context_parallel`). Without it a
     slice's output is wrong, but its kernels are those of a rank: `bench op --shard` times them so.
     `norms`: RMSNorms to apply on the way (`mhla_linear`; inference only, the dispatch decides).
+    `mix_logits`: mix holds the mixing matrix's logits, softmaxed where the kernels read them (the quadratic form's
+    launch; the mixing launch where it reads mix as it is, `mhla.softmaxes_logits`), else first by PyTorch.
     Short calls over the whole grid take `mhla_parallel` (`_takes_parallel_form`).
     """
     if _takes_parallel_form(q, k, v, mix, geometry, rope, reduce, norms):
-        return _call(mhla_parallel, q, k, v, mix, *op_args(geometry, options))[0]
+        return _call(mhla_parallel, q, k, v, mix, mix_logits, *op_args(geometry, options))[0]
     cos, sin = kernel_tables(rope, q.dtype)
     args = op_args(geometry, options, start)
-    return mhla_linear(q, k, v, mix, cos, sin, args, reduce, norms)
+    return mhla_linear(q, k, v, mix, cos, sin, args, reduce, norms, mix_logits)

@@ -31,7 +31,8 @@ import triton.language as tl
 
 from . import compiled
 from .fitting import launch_within_card
-from .mhla import _await_inputs, _clear, _dot_types, _dphi, _head, _load_rows, _phi_tile, _tile, head_align, step_tiles
+from .mhla import (_await_inputs, _clear, _dot_types, _dphi, _head, _load_rows, _phi_tile, _softmax_rows, _tile,
+                   head_align, step_tiles)
 from .sizes import cdiv, head_tiles, pow2
 
 # Launch settings of each kernel (a program owns `own` tokens and walks the others by `walk`) and the longest
@@ -100,9 +101,13 @@ def _features_of(x_ptr, n, sn, mask_n, d, mask_d, ELU: tl.constexpr):
 
 
 @triton.jit
-def _mix_rows(mix_ptr, block, mask, c, smi, smj, M, DOT: tl.constexpr):
-    """G: the mix rows of a tile's tokens (their blocks' rows, columns c < M), in the operand type."""
-    return _tile(mix_ptr, block, smi, mask, c, smj, c < M, 0.0, "").to(DOT)
+def _mix_rows(mix_ptr, block, mask, c, smi, smj, M, DOT: tl.constexpr, SOFTMAX: tl.constexpr):
+    """G: the mix rows of a tile's tokens (their blocks' rows, columns c < M), in the operand type; with SOFTMAX,
+    mix_ptr holds the matrix's logits and each row is softmaxed as it is loaded."""
+    rows = _tile(mix_ptr, block, smi, mask, c, smj, c < M, 0.0, "")
+    if SOFTMAX:
+        rows = _softmax_rows(rows.to(tl.float32), c < M)
+    return rows.to(DOT)
 
 
 @triton.jit
@@ -119,11 +124,12 @@ def _parallel_kernel(
     NBW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HEAD_ALIGN: tl.constexpr, OWN: tl.constexpr,
     WALK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TAIL_D: tl.constexpr, TAIL_DV: tl.constexpr,
     BLOCK_B: tl.constexpr, ELU: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    SOFTMAX: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """o for the OWN queries of grid axis 1, batch-head axis 0, walking the keys by WALK (and, normalized, 1 / den
     per query for the backward). A head's D (DV) features are one BLOCK_D (BLOCK_DV) column tile, or with TAIL_D
-    (TAIL_DV) > 0 that tile and a second one after it (`head_tiles`: D = 72 as 64 + 16 columns, not 128)."""
+    (TAIL_DV) > 0 that tile and a second one after it (`head_tiles`: D = 72 as 64 + 16 columns, not 128). SOFTMAX:
+    mix_ptr holds the matrix's logits (`_mix_rows`)."""
     _await_inputs(PDL)
     N: tl.constexpr = T * H * W
     bh, pid = tl.program_id(0), tl.program_id(1)
@@ -141,7 +147,7 @@ def _parallel_kernel(
     if TAIL_D:
         d2 = BLOCK_D + tl.arange(0, TAIL_D)
         fq2 = _features_of(q_ptr, i, sqn, mask_i, d2, d2 < D, ELU).to(DOT)
-    rows = _mix_rows(mix_ptr, _block_of(i, T, H, W, NBT, NBH, NBW), mask_i, c, smi, smj, M, DOT)
+    rows = _mix_rows(mix_ptr, _block_of(i, T, H, W, NBT, NBH, NBW), mask_i, c, smi, smj, M, DOT, SOFTMAX)
     acc = tl.zeros((OWN, BLOCK_DV), tl.float32)
     if TAIL_DV:
         e2 = BLOCK_DV + tl.arange(0, TAIL_DV)
@@ -236,7 +242,7 @@ def _parallel_grad_kernel(
         key_hot = _one_hot(c, block_j, DOT)
         pair_sums = tl.zeros((BLOCK_B, OWN), tl.float32)  # per key: sum of dP * A over the queries of block b
     else:
-        rows = _mix_rows(mix_ptr, block_j, mask_j, c, smi, smj, M, DOT)
+        rows = _mix_rows(mix_ptr, block_j, mask_j, c, smi, smj, M, DOT, False)
         g = _load_rows(do_ptr, j, sdn, mask_j, e, e < DV)
         if TAIL_DV:
             g2 = _load_rows(do_ptr, j, sdn, mask_j, e2, e2 < DV)
@@ -261,7 +267,8 @@ def _parallel_grad_kernel(
         if TAIL_D:
             fy2 = _features_of(y_ptr, n, sy, mask_n, d2, d2 < D, ELU).to(DOT)
         if KEYS:  # n: queries; tiles are (queries, keys)
-            w = tl.dot(_mix_rows(mix_ptr, block_n, mask_n, c, smi, smj, M, DOT), key_hot, input_precision=PRECISION)
+            w = tl.dot(_mix_rows(mix_ptr, block_n, mask_n, c, smi, smj, M, DOT, False), key_hot,
+                       input_precision=PRECISION)
             a = tl.dot(fy, tl.trans(fx), input_precision=PRECISION)
             if TAIL_D:
                 a = tl.dot(fy2, tl.trans(fx2), a, input_precision=PRECISION)
@@ -364,15 +371,16 @@ def _strides(*tensors):
     return [st for t in tensors for st in t.stride()[:3]]
 
 
-def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, eps: float):
+def parallel_output(q, k, v, mix, grid, blocks, *, elu: bool, normalize: bool, eps: float, logits: bool = False):
     """(o, rden): o (B, N, heads, Dv) of MHLA over the whole (T, H, W) grid of tokens cut into `blocks`, in q's type
     (fp32 accumulate; products in the operand type of `mhla._dot_types`), and normalized, 1 / den per query
-    (B*heads, N) fp32 for `parallel_grad` (unnormalized: an empty tensor)."""
+    (B*heads, N) fp32 for `parallel_grad` (unnormalized: an empty tensor). `logits`: mix holds the matrix's logits,
+    softmaxed row by row where the kernel loads them."""
     batch, n, heads, _ = q.shape
     o = torch.empty((batch, n, heads, v.shape[-1]), device=q.device, dtype=q.dtype)
     rden = torch.empty((batch * heads, n) if normalize else (0,), device=q.device, dtype=torch.float32)
     sizes, meta = _launch_args(q, v, mix, grid, blocks, elu, normalize, (q, k, v, o))
-    meta.update(head_tile_args(q.shape[-1], v.shape[-1], "forward" in CONFIG["split_heads"]))
+    meta.update(head_tile_args(q.shape[-1], v.shape[-1], "forward" in CONFIG["split_heads"]), SOFTMAX=logits)
 
     def launch(tiles):
         compiled.launch(_parallel_kernel, (batch * heads, cdiv(n, tiles["OWN"])),

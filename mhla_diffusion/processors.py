@@ -82,8 +82,8 @@ class MHLAProcessorBase(nn.Module):
         rope = rope if self.config.rope == "numerator" else None
         group = None if self._parallel_config is None else context_group(self._parallel_config)
         q, k, norms = layer_norms(q, k, qk_norm, self.norm_gain)
-        out = mhla_op(q, k, v, self.mixing(geometry.blocks), geometry, self.options, rope=rope, group=group,
-                      norms=norms)
+        mix, logits = self.mixing.for_op(geometry.blocks)
+        out = mhla_op(q, k, v, mix, geometry, self.options, rope=rope, group=group, norms=norms, mix_logits=logits)
         out = out.flatten(2)
         if self.gate is not None:
             out = out * F.silu(self.gate(layer_input)).to(out.dtype)

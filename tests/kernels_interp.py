@@ -10,6 +10,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import contextlib  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -53,9 +54,10 @@ def rope_tables(n, d, gen):
 
 
 def op_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normalize=True, feature="relu",
-            rope=False, fused_qkv=False, launch=FEW, seed=0, scale=1.0):
+            rope=False, fused_qkv=False, launch=FEW, seed=0, scale=1.0, logits=False):
     """Forward and q, k, v, mix gradients of the custom op against the fp64 reference (q, k, v ~ N(0, scale^2)),
-    and the forward without autograd (inference)."""
+    and the forward without autograd (inference). logits: the op is given the mixing matrix's logits
+    (`mix_logits=True`), the reference their rows' softmax, and dmix is the logits' gradient."""
     configure(launch)
     gen = torch.Generator().manual_seed(seed)
     n, m = math.prod(grid), math.prod(blocks)
@@ -70,18 +72,22 @@ def op_case(grid, blocks, heads, d, dv, *, batch=2, dtype=torch.float32, normali
     do = torch.randn(batch, n, heads, v.shape[-1], generator=gen)
     kw = dict(normalize=normalize, feature=feature)
 
+    if logits:
+        mix = (mix * 3).log()  # rows whose softmax is mix, row-normalized
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [mix.float().requires_grad_()]
     rope32 = None if tables is None else tuple(t.float() for t in tables)
-    out = mhla_attention(*leaves, grid, blocks, rope=rope32, backend="triton", **kw)
+    out = mhla_attention(*leaves, grid, blocks, rope=rope32, backend="triton", mix_logits=logits, **kw)
     out.backward(do.to(dtype))
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = mhla_attention(*ref_leaves, grid, blocks, rope=tables, backend="torch", **kw)
+    ref_mix = ref_leaves[3].softmax(-1) if logits else ref_leaves[3]
+    ref = mhla_attention(*ref_leaves[:3], ref_mix, grid, blocks, rope=tables, backend="torch", **kw)
     ref.backward(do.double())
     errors = {"o": rel(out, ref)}
     errors.update({f"d{x}": rel(a.grad, b.grad) for x, a, b in zip("qkv", leaves, ref_leaves)})
     errors["dmix"] = rel(leaves[3].grad, ref_leaves[3].grad)
     with torch.no_grad():
-        errors["o no-grad"] = rel(mhla_attention(*leaves, grid, blocks, rope=rope32, backend="triton", **kw), ref)
+        errors["o no-grad"] = rel(mhla_attention(*leaves, grid, blocks, rope=rope32, backend="triton", mix_logits=logits,
+                                                 **kw), ref)
     errors["dtype"] = str(out.dtype)
     return errors
 
@@ -277,25 +283,44 @@ CLEARED = {"_grad_kernel": ("clear_ptr", lambda kw: kw.get("CLEAR")),
 
 
 @contextlib.contextmanager
+def watching_launches(before):
+    """`before(kernel, args, kwargs)` called ahead of each launch while in use."""
+    launch = compiled.launch
+
+    def watched(kernel, grid, *args, **kwargs):
+        before(kernel, args, kwargs)
+        return launch(kernel, grid, *args, **kwargs)
+
+    compiled.launch = watched
+    try:
+        yield
+    finally:
+        compiled.launch = launch
+
+
+@contextlib.contextmanager
 def poisoning_cleared():
     """Every buffer a launch is to zero (CLEARED) filled with NaN just before that launch: a clear that misses any of
     it makes the gradient that adds into it NaN, where a fresh CPU buffer would often be zeros already. Counts the
     poisoned launches."""
-    launch = compiled.launch
     counter = types.SimpleNamespace(calls=0)
 
-    def poisoned(kernel, grid, *args, **kwargs):
+    def poison(kernel, args, kwargs):
         name = kernel.fn.__name__
         if name in CLEARED and CLEARED[name][1](kwargs):
             args[kernel.arg_names.index(CLEARED[name][0])].fill_(float("nan"))
             counter.calls += 1
-        return launch(kernel, grid, *args, **kwargs)
 
-    compiled.launch = poisoned
-    try:
+    with watching_launches(poison):
         yield counter
-    finally:
-        compiled.launch = launch
+
+
+@contextlib.contextmanager
+def launches_of(kernel_name: str):
+    """The keyword arguments of each launch of the kernel named `kernel_name` while in use, in order."""
+    seen = []
+    with watching_launches(lambda kernel, args, kwargs: kernel.fn.__name__ == kernel_name and seen.append(kwargs)):
+        yield seen
 
 
 def mixing_kernel_op_case():
@@ -303,19 +328,23 @@ def mixing_kernel_op_case():
     GPU; here fp32 ones let through, which the interpreter multiplies exactly): its backward mixes dS~ (and dz~) back
     and forms dmix in one launch, no `_gram_kernel`, normalized and not, against the fp64 reference; with the
     forward's S~ and z~ (`mhla.keeps_mixed`) and dS~, dz~ from the q-side grad launch (`mhla.summarizes`), or mixing
-    S~ and z~ again and summarizing dO in a launch of its own."""
+    S~ and z~ again and summarizing dO in a launch of its own; given the mixing matrix's logits, which the forward's
+    mixing launches softmax (with and without autograd) and the backward's take softmaxed by PyTorch."""
     errors = {}
     allowed = mhla.mixes_with_kernel
     mhla.mixes_with_kernel = lambda s: s.shape[0] <= mhla.CONFIG["mix"]["fold_up_to"]
     try:
-        for normalize, keep_up_to, summarize_up_to in ((True, 32, 64), (False, 32, 64), (True, 0, 0)):
+        for normalize, keep_up_to, summarize_up_to, logits in ((True, 32, 64, False), (False, 32, 64, False),
+                                                               (True, 0, 0, False), (True, 32, 64, True),
+                                                               (False, 32, 64, True)):
             with (overriding(mhla.CONFIG["mix"], keep_up_to=keep_up_to), counting(mhla, "block_gram") as grams,
                   overriding(mhla.CONFIG["grad"], summarize_up_to=summarize_up_to, block_n=32),
                   counting(mhla, "mix_with_kernel") as mixes, counting(mhla, "block_summaries") as summaries,
-                  poisoning_cleared() as poisoned):
-                found = op_case((2, 5, 7), (1, 2, 3), 2, 16, 24, normalize=normalize, feature="elu", seed=3)
-            errors.update({f"normalize={normalize} keep_up_to={keep_up_to} summarize_up_to={summarize_up_to} {k}": v
-                           for k, v in found.items() if k != "dtype"})
+                  poisoning_cleared() as poisoned, launches_of("_mix_kernel") as mix_launches):
+                found = op_case((2, 5, 7), (1, 2, 3), 2, 16, 24, normalize=normalize, feature="elu", seed=3,
+                                logits=logits)
+            errors.update({f"normalize={normalize} keep_up_to={keep_up_to} summarize_up_to={summarize_up_to} "
+                           f"logits={logits} {k}": v for k, v in found.items() if k != "dtype"})
             # the forward's mixing, the backward's (S~ again unless kept; then dS~ back with dmix), the no-grad forward's
             expected = (0, 3 if keep_up_to else 4)
             assert (grams.calls, mixes.calls) == expected, f"Gram launches {grams.calls}, mixing launches {mixes.calls}"
@@ -323,6 +352,9 @@ def mixing_kernel_op_case():
             # 32-token tile; SPLIT, an earlier case's, leaves 16)
             assert summaries.calls == (2 if summarize_up_to else 3), f"summary launches {summaries.calls}"
             assert poisoned.calls == 1, f"launches clearing dmix {poisoned.calls}"  # the q-side grad launch's
+            softmaxing = [kwargs["SOFTMAX"] for kwargs in mix_launches]
+            want = [logits, False, logits] if keep_up_to else [logits, False, False, logits]
+            assert softmaxing == want, f"mixing launches softmaxing {softmaxing}"
     finally:
         mhla.mixes_with_kernel = allowed
     return errors
@@ -359,8 +391,9 @@ def mix_case():
     computes unreliably) at 1 to 256 blocks (`CONFIG["mix"]["max_blocks"]`) with each program on one S tile or one
     program per row block walking them all, with mix and the backward's strided mix^T, on fp32 S (F a multiple of the
     column tile) and z (F no multiple of it), against the fp64 product: up to `CONFIG["mix"]["fold_up_to"]` blocks
-    on mix unpadded with z mixed in the same launch (and with fp16 S, z still against the fp32 mix), over that on the
-    padded copy, S and z in a launch each. The interpreter multiplies them in IEEE fp32."""
+    on mix unpadded with z mixed in the same launch (and with fp16 S, z still against the fp32 mix; and given the
+    matrix's logits, softmaxed by the kernel), over that on the padded copy, S and z in a launch each. The interpreter
+    multiplies them in IEEE fp32."""
     gen = torch.Generator().manual_seed(7)
     errors = {}
     for m in (1, 2, 7, 16, 32, 33, 60, 130, 252, 256):  # 16, 32, 256: multiples of 16, where mix needs no padding
@@ -375,7 +408,15 @@ def mix_case():
                     for name, x, got in (("S", s, out[0]), ("z" + " folded" * folded, z, out[1])):
                         ref = torch.einsum("ij,j...->i...", mat.double(), x.double())
                         errors[f"M={m} {tiling} {mat_name} {name}"] = rel(got, ref)
-        if folded:  # fp16 S: S's products take mix rounded to fp16, z's the fp32 mix (rounded, z is off by ~4e-4)
+        if folded:
+            logits = torch.randn(m, m, generator=gen)  # the matrix's logits, softmaxed by the kernel row by row
+            for rows, settings in {"rows in one block": {}, "row blocks of 16": dict(block_m=16)}.items():
+                with overriding(mhla.CONFIG["mix"], **settings):
+                    out = mhla.mix_with_kernel(logits, s, z, logits=True)
+                for name, x, got in (("S", s, out[0]), ("z", z, out[1])):
+                    ref = torch.einsum("ij,j...->i...", logits.double().softmax(-1), x.double())
+                    errors[f"M={m} logits, {rows}: {name}"] = rel(got, ref)
+            # fp16 S: S's products take mix rounded to fp16, z's the fp32 mix (rounded, z is off by ~4e-4)
             z_out = mhla.mix_with_kernel(mix, s.half(), z)[1]
             errors[f"M={m} fp16 S, z folded"] = rel(z_out, torch.einsum("ij,j...->i...", mix.double(), z.double()))
             errors.update(gram_errors(m, mix, s, z, gen))
@@ -427,7 +468,9 @@ def parallel_case():
     products the interpreter computes unreliably) in fp32, o and the q, k, v, mix gradients against the dense fp64
     formula: ragged blocks over three axes, N no multiple of the tiles, D = 72 (DiT's), Dv != D, strided (fused-qkv)
     q and k, B = 2, both feature maps, with and without the normalizer, and the tilings of PARALLEL_TILINGS (relu:
-    as shipped and with every kernel's heads split; D = 72 beside Dv = 64: D split, Dv whole)."""
+    as shipped and with every kernel's heads split; D = 72 beside Dv = 64: D split, Dv whole); and as shipped given
+    the mixing matrix's logits (`mix_logits`: the forward launch softmaxes them), the logits' gradient against the
+    dense formula's through the rows' softmax."""
     gen = torch.Generator().manual_seed(5)
     errors = {}
     cases = {"DiT-like D=72, 5x6 blocks": ((1, 12, 14), (1, 5, 6), 72, 72),
@@ -439,21 +482,23 @@ def parallel_case():
         v = torch.randn(2, n, 3, dv, generator=gen)
         do = torch.randn(2, n, 3, dv, generator=gen)
         mix = (locality_mix(blocks) + 0.1 * torch.rand(m, m, generator=gen, dtype=torch.float64)).float()
-        for feature in ("relu", "elu"):
-            for normalize in (True, False):
-                ref_leaves = [t.double().requires_grad_() for t in (*qk, v, mix)]
-                ref = dense_mhla(*ref_leaves, grid, blocks, normalize=normalize, feature=feature)
-                ref.backward(do.double())
-                for tiles in PARALLEL_TILINGS if feature == "elu" else ("shipped", "split heads"):
-                    leaves = [t.detach().requires_grad_() for t in (*qk, v, mix)]
-                    with overriding(parallel.CONFIG, **PARALLEL_TILINGS[tiles]), poisoning_cleared() as poisoned:
-                        out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], normalize, 1e-6, feature)
-                        out.backward(do)
-                    assert poisoned.calls == 1, f"launches clearing dmix {poisoned.calls}"
-                    label = f"{name} {feature} normalize={normalize} tiles {tiles}"
-                    errors[f"{label}: o"] = rel(out, ref)
-                    errors.update({f"{label}: d{x}": rel(a.grad, r.grad)
-                                   for x, a, r in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
+        for feature, normalize, logits in itertools.product(("relu", "elu"), (True, False), (False, True)):
+            given = (mix * 3).log() if logits else mix  # logits: rows whose softmax is mix, row-normalized
+            ref_leaves = [t.double().requires_grad_() for t in (*qk, v, given)]
+            ref_mix = ref_leaves[3].softmax(-1) if logits else ref_leaves[3]
+            ref = dense_mhla(*ref_leaves[:3], ref_mix, grid, blocks, normalize=normalize, feature=feature)
+            ref.backward(do.double())
+            tilings = ("shipped",) if logits else PARALLEL_TILINGS if feature == "elu" else ("shipped", "split heads")
+            for tiles in tilings:
+                leaves = [t.detach().requires_grad_() for t in (*qk, v, given)]
+                with overriding(parallel.CONFIG, **PARALLEL_TILINGS[tiles]), poisoning_cleared() as poisoned:
+                    out, _ = mhla_parallel(*leaves, logits, [*grid, *blocks, 0], normalize, 1e-6, feature)
+                    out.backward(do)
+                assert poisoned.calls == 1, f"launches clearing dmix {poisoned.calls}"
+                label = f"{name} {feature} normalize={normalize} tiles {tiles}{' logits' * logits}"
+                errors[f"{label}: o"] = rel(out, ref)
+                errors.update({f"{label}: d{x}": rel(a.grad, r.grad)
+                               for x, a, r in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})
     return errors
 
 
@@ -511,7 +556,7 @@ def refusing_card_case():
             errors[f"{run} run, mixing kernel"] = rel(mhla.mix_with_kernel(mix, s)[0],
                                                       torch.einsum("ij,j...->i...", mix.double(), s.double()))
             leaves = [t.detach().requires_grad_() for t in (q, k, v, mix)]
-            out, _ = mhla_parallel(*leaves, [*grid, *blocks, 0], True, 1e-6, "elu")
+            out, _ = mhla_parallel(*leaves, False, [*grid, *blocks, 0], True, 1e-6, "elu")
             out.backward(do)
             errors[f"{run} run, quadratic form o"] = rel(out, ref)
             errors.update({f"{run} run, quadratic form d{x}": rel(a.grad, r.grad)
@@ -544,6 +589,18 @@ def compile_case():
     ref_grads = torch.autograd.grad(ref_loss, (q, k, v, mix))
     errors = {"loss": rel(loss, ref_loss)}
     errors.update({f"grad{i}": rel(a, b) for i, (a, b) in enumerate(zip(grads, ref_grads))})
+
+    def given_logits(q, k, v, logits):  # as a converted layer calls it under torch.compile
+        return mhla_attention(q, k, v, logits, grid, blocks, backend="triton", mix_logits=True).square().sum()
+
+    logits = mix.detach().clamp_min(1e-4).log().requires_grad_()
+    torch._dynamo.reset()
+    loss = torch.compile(given_logits, fullgraph=True, backend="aot_eager")(q, k, v, logits)
+    grads = torch.autograd.grad(loss, (q, k, v, logits))
+    ref_loss = f(q, k, v, logits.softmax(-1))
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v, logits))
+    errors["logits: loss"] = rel(loss, ref_loss)
+    errors.update({f"logits: grad{i}": rel(a, b) for i, (a, b) in enumerate(zip(grads, ref_grads))})
 
     def with_norms(q, k, v, mix, wq, wk, gain):  # inference, the norms applied by the kernels
         norms = Norms(wq, wk, 1e-6, gain)
@@ -579,14 +636,17 @@ def opcheck_case():
             torch.library.opcheck(mhla_summaries, (k, v, None, None, None, 0.0, *options), test_utils=checks)
             s, z = (t.detach().requires_grad_() for t in mhla_summaries(k, v, None, None, None, 0.0, *options))
             s = s.to(mhla.state_dtype(dtype)).detach().requires_grad_()
-            torch.library.opcheck(mhla_output, (q, mix, s, z, None, None, None, 0.0, None, 0.0, *options), test_utils=checks)
+            for logits in (False, True):
+                torch.library.opcheck(mhla_output, (q, mix, logits, s, z, None, None, None, 0.0, None, 0.0, *options),
+                                      test_utils=checks)
             # the RMSNorms applied on the way: inference only, so without the autograd check
             wq, wk, gain = (torch.rand(16, generator=gen).to(dtype) for _ in range(3))
             k, q = k.detach(), q.detach()
             torch.library.opcheck(mhla_summaries, (k, v.detach(), None, None, wk, 1e-6, *options),
                                   test_utils=checks[::2])
             s, z = mhla_summaries(k, v.detach(), None, None, wk, 1e-6, *options)
-            norm_args = (q, mix.detach(), s.to(mhla.state_dtype(dtype)), z, None, None, wq, 1e-6, gain.view(2, 8), 1e-6)
+            norm_args = (q, mix.detach(), False, s.to(mhla.state_dtype(dtype)), z, None, None, wq, 1e-6, gain.view(2, 8),
+                         1e-6)
             torch.library.opcheck(mhla_output, (*norm_args, *options), test_utils=checks[::2])
             # the RMSNorms around the op (with autograd): q, k across heads (fp32 weight), the output norm per head
             x = torch.randn(6, 16, generator=gen).to(dtype).requires_grad_()
@@ -599,8 +659,8 @@ def opcheck_case():
                                       test_utils=checks[::2])
         # the quadratic form: the whole grid only, normalized (o and 1 / den) and unnormalized (o)
         q, k, v = (torch.randn(1, 24, 2, 16, generator=gen).to(dtype).requires_grad_() for _ in range(3))
-        for normalize in (True, False):
-            torch.library.opcheck(mhla_parallel, (q, k, v, torch.rand(4, 4, generator=gen, requires_grad=True),
+        for normalize, logits in ((True, False), (False, False), (True, True)):
+            torch.library.opcheck(mhla_parallel, (q, k, v, torch.rand(4, 4, generator=gen, requires_grad=True), logits,
                                                   [1, 4, 6, 1, 2, 2, 0], normalize, 1e-6, "elu"), test_utils=checks)
     return {"ok": 0.0}
 
@@ -626,7 +686,7 @@ def parallel_eager_limit_case():
     q, k, v = (torch.randn(1, side * side, 2, 72, generator=gen) for _ in range(3))
     mix = (locality_mix(blocks) + 0.1 * torch.rand(30, 30, generator=gen, dtype=torch.float64)).float()
     with torch.no_grad():
-        out, _ = mhla_parallel(q, k, v, mix, [*grid, *blocks, 0], True, 1e-6, "relu")
+        out, _ = mhla_parallel(q, k, v, mix, False, [*grid, *blocks, 0], True, 1e-6, "relu")
     return {"o": rel(out, dense_mhla(*(t.double() for t in (q, k, v, mix)), grid, blocks))}
 
 

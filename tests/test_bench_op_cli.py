@@ -113,7 +113,7 @@ def test_check_takes_the_cases_a_setting_touches(monkeypatch):
     monkeypatch.setattr(bench, "bench_shape", lambda *a: pytest.fail("timed before the check finished") if not done
                         else _row({}))
     assert main(["bench", "op", "--check", "dit-xl-256", "dit-xl-384", "--shapes", "DiT-XL/2 256px"]) == 0
-    quadratic = ["dit-xl-256", "dit-xl-384 elu", "dit-xl-256, 64 blocks", "dit-xl-384, 36 blocks"]
+    quadratic = ["dit-xl-256", "dit-xl-384 elu", "dit-xl-256, 64 blocks", "dit-xl-384, 36 blocks", "dit-xl-256 logits"]
     assert [name for name, _ in done] == [name for name in quadratic for _ in range(2)]  # bf16, fp32
     assert seeds == [i for i, c in enumerate(check.CASES) if c[0] in quadratic for _ in range(2)]
 

@@ -758,9 +758,9 @@ def test_short_sequences_mix_s_and_z_in_one_launch_on_mix_as_it_is(m, transposed
     mhla.mix_summaries(mat, s.float(), z, torch.float32)
     assert len(launches) == 2
     s69 = torch.randn(69, 4, dtype=torch.bfloat16)
-    for z, gram_with in ((torch.rand(69, 2), None), (None, (s69, None))):
-        with pytest.raises(ValueError, match="mixes z and forms the Gram in the same launch up to 64 blocks, not 69"):
-            mhla.mix_with_kernel(torch.rand(69, 69), s69, z, gram_with=gram_with)
+    for z, gram_with, logits in ((torch.rand(69, 2), None, False), (None, (s69, None), False), (None, None, True)):
+        with pytest.raises(ValueError, match="softmaxes logits in the same launch up to 64 blocks, not 69"):
+            mhla.mix_with_kernel(torch.rand(69, 69), s69, z, gram_with=gram_with, logits=logits)
 
 
 # aten ops that write zeros or a constant into a buffer: each a fill launch on the GPU
@@ -877,7 +877,7 @@ def test_the_backward_takes_the_forwards_mixed_summaries_and_no_zeros(route, m, 
     mix = torch.rand(m, m, requires_grad=True)
     s, z = mixed[0].detach().requires_grad_(), mixed[1].detach().requires_grad_()
     args = op.op_args(block_geometry((1, 1, tokens), (1, 1, 1)), MHLAOptions())
-    o, mixed_s, mixed_z = call(op.mhla_output, q, mix, s, z, None, None, None, 0.0, None, 0.0, *args)
+    o, mixed_s, mixed_z = call(op.mhla_output, q, mix, False, s, z, None, None, None, 0.0, None, 0.0, *args)
     assert [mixed_s.shape, mixed_z.shape] == [s.shape, z.shape]
     calls = _aten_calls(lambda: o.sum().backward())
     assert not FILL_OPS & set(calls), calls
@@ -885,7 +885,7 @@ def test_the_backward_takes_the_forwards_mixed_summaries_and_no_zeros(route, m, 
         assert [t.data_ptr() for t in seen["mixed"]] == [mixed_s.data_ptr(), mixed_z.data_ptr()]
     else:
         assert seen["mixed"] is None
-    o, rden = call(op.mhla_parallel, q, q, q, mix, *args)
+    o, rden = call(op.mhla_parallel, q, q, q, mix, False, *args)
     calls = _aten_calls(lambda: o.sum().backward())
     assert not FILL_OPS & set(calls), calls
 
@@ -1257,3 +1257,43 @@ def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_laun
     assert parse("compiled.CONFIG.trigger_dependents=('mix_back', 'grad_queries')")[2] == ("mix_back", "grad_queries")
     with pytest.raises(ValueError, match="names kernels of"):
         parse("compiled.CONFIG.trigger_dependents=('mix_backward',)")
+
+
+@pytest.mark.parametrize(("dtype", "side", "blocks", "grad", "reader", "in_kernel"), [
+    (torch.bfloat16, 32, "auto", False, "_parallel_kernel", True),  # 1,024 tokens, eager: the quadratic form
+    (torch.bfloat16, 32, "auto", True, "_mix_kernel", True),  # with gradients the linear path, 30 blocks
+    (torch.bfloat16, 48, "auto", False, "_mix_kernel", True),  # 2,304 tokens, 48 blocks
+    (torch.bfloat16, 36, (1, 9, 9), False, "_mix_kernel", False),  # 81 blocks: mix padded, past the folded launch
+    (torch.float32, 32, "auto", True, None, False),  # fp32 summaries: cuBLAS mixes
+], ids=["quadratic form", "linear path", "48 blocks", "81 blocks", "fp32"])
+def test_the_kernels_softmax_the_mixing_logits_where_they_read_the_matrix(dtype, side, blocks, grad, reader, in_kernel,
+                                                                        monkeypatch):
+    """`mhla_attention(..., mix_logits=True)` (what a converted layer passes where its matrix is made each call:
+    with gradients, and under torch.compile): where a launch reads mix as it is (the quadratic form; the mixing
+    launch up to CONFIG["mix"]["fold_up_to"] blocks, bf16) it gets the logits themselves and softmaxes each row as
+    it loads it (SOFTMAX), and no softmax runs before it; elsewhere PyTorch's softmax makes the matrix first, once.
+    The backward takes the matrix softmaxed once and returns the logits' gradient through one softmax backward.
+    The kernels are recorders (nothing runs; values: kernels_interp.py, "mixing kernel", "mixing kernel in the op",
+    "parallel form")."""
+    from mhla_diffusion.blocks import resolve_blocks
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = _record_launches(monkeypatch)
+    grid = (1, side, side)
+    blocks = resolve_blocks(grid, blocks)
+    q, k, v = (torch.randn(1, side * side, 4, 16, dtype=dtype, requires_grad=grad) for _ in range(3))
+    logits = torch.randn(math.prod(blocks), math.prod(blocks), requires_grad=grad)
+    out = []
+    with torch.set_grad_enabled(grad):
+        forward = _aten_calls(lambda: out.append(mhla_attention(q, k, v, logits, grid, blocks, backend="triton",
+                                                                mix_logits=True)))
+    assert forward.count("_softmax") == (0 if in_kernel else 1), forward
+    if reader is not None:  # the launch that reads mix: the forward's first of that kernel
+        args, kwargs = launches[reader][0]
+        given = args[3 if reader == "_parallel_kernel" else 0]
+        assert kwargs["SOFTMAX"] == in_kernel and (given.data_ptr() == logits.data_ptr()) == in_kernel
+    if grad:
+        backward = _aten_calls(lambda: out[0].float().sum().backward())
+        assert (backward.count("_softmax"), backward.count("_softmax_backward_data")) == (1, 1), backward
+        assert not any(kw["SOFTMAX"] for _, kw in launches["_mix_kernel"][1:])
+        assert logits.grad.shape == logits.shape

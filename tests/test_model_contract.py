@@ -22,7 +22,7 @@ from mhla_diffusion import zoo
 from mhla_diffusion.cli import main
 from mhla_diffusion.cli.demo import sample
 from mhla_diffusion.conversion import mhla_modules
-from mhla_diffusion.mixing import resample_logits
+from mhla_diffusion.mixing import mixing_matrix, resample_logits
 
 from test_convert import run
 
@@ -121,6 +121,44 @@ def test_inference_reuses_the_mixing_matrix_until_the_logits_change(monkeypatch)
     run(model, 16, batch=1)
     assert len(resampled) == count + 2 * layers
     assert all(p.grad is not None for p in md.mhla_parameters(model) if p.requires_grad)
+
+
+def test_a_layer_hands_the_op_its_logits_where_it_makes_the_matrix_each_call(monkeypatch):
+    """Where a layer would make its mixing matrix each call (with gradients; under torch.compile) it hands the op the
+    logits at the call's block grid (`mhla_op(..., mix_logits=True)`: the kernels softmax them as they read them);
+    without gradients, the reused matrix. The model's output and the logits' gradients are the same either way."""
+    from mhla_diffusion import processors
+
+    model = zoo.build_transformer("dit")
+    md.convert(model)
+    layer = model.transformer_blocks[0].attn1.processor
+    given, op = [], processors.mhla_op
+    monkeypatch.setattr(processors, "mhla_op", lambda q, k, v, mix, *a, mix_logits=False, **kw: given.append(
+        (mix, mix_logits)) or op(q, k, v, mix, *a, mix_logits=mix_logits, **kw))
+    with torch.no_grad():
+        reused = run(model, 8, batch=1)  # 8 x 8 latents: the logits' own block grid
+        mix, logits = given[0]
+        assert not logits and mix is layer.mixing(layer.mixing.mix_blocks)
+    given.clear()
+    out = run(model, 8, batch=1)
+    mix, logits = given[0]
+    assert logits and mix is layer.mixing.logits
+    torch.testing.assert_close(out, reused)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in md.mhla_parameters(model)]
+    model.zero_grad()
+    monkeypatch.setattr(processors, "mhla_op", lambda *a, mix_logits=False, **kw: op(
+        *a[:3], mixing_matrix(a[3], mix_logits), *a[4:], **kw))  # the matrix made before the op, as before
+    run(model, 8, batch=1).square().sum().backward()
+    for grad, p in zip(grads, md.mhla_parameters(model)):
+        torch.testing.assert_close(grad, p.grad)
+    given.clear()
+    monkeypatch.setattr(processors, "mhla_op", lambda q, k, v, mix, *a, mix_logits=False, **kw: given.append(
+        (mix, mix_logits)) or op(q, k, v, mix, *a, mix_logits=mix_logits, **kw))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        run(model, 8, batch=1)
+    assert given[0][1] and given[0][0] is layer.mixing.logits
 
 
 @pytest.mark.parametrize("family", zoo.FAMILIES)

@@ -33,11 +33,14 @@ def mhla_attention(
     rope=None,
     backend: str = "auto",
     group=None,
+    mix_logits: bool = False,
 ) -> torch.Tensor:
     """Multi-head linear attention over token blocks (docs/MHLA.md, sections 1 to 5).
 
     q, k, v: (B, N, heads, D), raster order over `grid` = (T, H, W) (or (H, W)), N = T*H*W.
-    mix: (M, M), row i weighs the key-block summaries seen by query block i.
+    mix: (M, M), row i weighs the key-block summaries seen by query block i; with mix_logits, the logits of that
+    matrix instead, whose rows' softmax (fp32) is the matrix: the kernels softmax them as they read them, where a
+    converted layer's own softmax would be a launch of its own each call.
     blocks: (bt, bh, bw) (or (bh, bw)), or "auto" (M^2 <= N); ragged blocks are exact.
     normalize: divide by phi(q) . (mixed key sums) + eps; otherwise return the numerator.
     feature: the feature map phi, a name in `feature_maps.FEATURE_MAPS`.
@@ -51,7 +54,7 @@ def mhla_attention(
     accumulation is fp32 (fp64 for fp64 inputs).
     """
     return mhla_op(q, k, v, mix, block_geometry(grid, blocks), MHLAOptions(normalize, eps, feature), rope=rope,
-                   backend=backend, group=group)
+                   backend=backend, group=group, mix_logits=mix_logits)
 
 
 __all__ = ["MHLAOptions", "mhla_attention", "mhla_op"]

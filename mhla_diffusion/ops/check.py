@@ -4,7 +4,8 @@ Run through `mhla-diffusion bench op --check`. For each case: fresh random input
 gradient buffers poisoned with NaN beforehand (the caching allocator hands the poisoned blocks
 back to the kernels), relative error ||x - ref|| / ||ref|| of o, dq, dk, dv, dmix and of the
 no-grad forward, and no NaN/Inf. Cases with "ranks" run the op as that many context-parallel ranks
-would, one after another on this GPU (`as_ranks`).
+would, one after another on this GPU (`as_ranks`); cases with "logits" give the op the mixing matrix's logits
+(`mix_logits`), and dmix is their gradient.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ CASES = [
     # a converted Wan2.1-14B's 252 blocks at 720p: the mixing kernel's 128-row blocks (over 192), two of its 40 heads
     ("wan-14b-720p rope unnorm, model's blocks, 2 heads", 2, 128, 128, (21, 45, 80), "auto",
      {"normalize": False, "rope": True}),
+    # given the mixing matrix's logits (a converted layer with gradients or compiled): softmaxed by the quadratic
+    # form's launch, by the mixing launch (bf16, up to 64 blocks) or by PyTorch first (fp32; 180 blocks)
+    ("dit-xl-256 logits", 16, 72, 72, (1, 16, 16), "auto", {"logits": True}),
+    ("dit-xl-512 logits", 16, 72, 72, (1, 32, 32), "auto", {"logits": True}),
+    ("wan-1.3b-480p logits, model's blocks", 12, 128, 128, (21, 30, 52), "auto", {"logits": True}),
 ]
 
 
@@ -138,6 +144,9 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     q, k = (torch.randn(batch, n, heads, d, device=device) for _ in range(2))
     v = torch.randn(batch, n, heads, dv, device=device)
     mix = (locality_mix(blocks) + 0.05 * torch.rand(m, m, dtype=torch.float64)).float().to(device)
+    logits = options.get("logits", False)
+    if logits:  # rows whose softmax is mix, row-normalized
+        mix = (mix * 2).log()
     rope = _rope_tables(n, d, device) if options.get("rope") else None
     kwargs = {"normalize": options.get("normalize", True), "feature": options.get("feature", "relu")}
     do = torch.randn(batch, n, heads, dv, device=device)
@@ -148,7 +157,7 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
         tables = None if rope is None else tuple(t.float() for t in rope)
         if ranks > 1:
             return as_ranks(*leaves, grid, blocks, tables, ranks, **kwargs)
-        return mhla_attention(*leaves, grid, blocks, rope=tables, backend="triton", **kwargs)
+        return mhla_attention(*leaves, grid, blocks, rope=tables, backend="triton", mix_logits=logits, **kwargs)
 
     leaves = [_leaf(t, dtype, options.get("offset", 0)) for t in (q, k, v)] + [mix.clone().requires_grad_()]
     outs = [((batch, n, heads, dv), dtype), ((batch, n, heads, d), dtype), ((batch, n, heads, d), dtype),
@@ -160,7 +169,8 @@ def check_case(name, heads, d, dv, grid, blocks, options, dtype, device="cuda") 
     torch.cuda.synchronize()
 
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    ref = mhla_attention(*ref_leaves, grid, blocks, rope=rope, backend="torch", **kwargs)
+    ref_mix = ref_leaves[3].softmax(-1) if logits else ref_leaves[3]
+    ref = mhla_attention(*ref_leaves[:3], ref_mix, grid, blocks, rope=rope, backend="torch", **kwargs)
     ref.backward(do.double())
     errors = {"o": _rel(o, ref)}
     errors.update({f"d{x}": _rel(a.grad, b.grad) for x, a, b in zip(("q", "k", "v", "mix"), leaves, ref_leaves)})

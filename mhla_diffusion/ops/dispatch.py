@@ -1,6 +1,6 @@
 """The op's one backend choice: each backend lists the calls it can take, and says why not for the others.
 
-A backend is a function of (q, k, v, mix, geometry, options, rope, group) and its constraints, each a
+A backend is a function of (q, k, v, mix, geometry, options, rope, group, mix_logits) and its constraints, each a
 check of one capability (device, dtype, head dims, feature map, block length) returning
 why the call is out of reach, or None. "auto" takes the first backend in `BACKENDS` whose constraints all
 pass; an explicit backend whose constraint fails raises that reason. (diffusers' attention_dispatch.py
@@ -17,6 +17,7 @@ import torch
 
 from ..blocks import BlockGeometry, eager_cache
 from ..kernels import capabilities as triton_caps
+from ..mixing import mixing_matrix
 from .context_parallel import mhla_sharded, mhla_sharded_triton
 from .naive import mhla_blocked
 from .norms import Norms
@@ -25,8 +26,10 @@ from .options import MHLAOptions
 
 @dataclass(frozen=True)
 class Backend:
-    """`run(q, k, v, mix, geometry, options, rope, group)`, and the constraints a call must meet for it;
-    `run_with_norms(..., norms)`, where the backend applies a layer's RMSNorms (`ops.norms`) itself on the way;
+    """`run(q, k, v, mix, geometry, options, rope, group, mix_logits)` (mix_logits: mix holds the mixing matrix's
+    logits, `mixing.mixing_matrix`), and the constraints a call must meet for it; `run_with_norms(q, k, v, mix,
+    geometry, options, rope, norms, mix_logits)`, where the backend applies a layer's RMSNorms (`ops.norms`) itself
+    on the way;
     `rms_norm(x, weight, groups, eps)`, where it has its own kernels for those norms around the op."""
 
     run: Callable
@@ -43,26 +46,27 @@ class Backend:
         return None
 
 
-def _run_torch(q, k, v, mix, geometry, options, rope, group):
+def _run_torch(q, k, v, mix, geometry, options, rope, group, mix_logits):
+    mix = mixing_matrix(mix, mix_logits)
     if group is None:
         return mhla_blocked(q, k, v, mix, geometry.layout(q.device), options, rope)
     return mhla_sharded(q, k, v, mix, geometry, options, rope, group)
 
 
-def _run_triton(q, k, v, mix, geometry, options, rope, group):
+def _run_triton(q, k, v, mix, geometry, options, rope, group, mix_logits):
     if group is not None:
-        return mhla_sharded_triton(q, k, v, mix, geometry, options, rope, group)
+        return mhla_sharded_triton(q, k, v, mixing_matrix(mix, mix_logits), geometry, options, rope, group)
     # imported on first use, so the library imports without triton's start-up cost; a plain import
     # statement, which torch.compile traces (import_module it refuses)
     from ..kernels import op
 
-    return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope)
+    return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope, mix_logits=mix_logits)
 
 
-def _run_triton_with_norms(q, k, v, mix, geometry, options, rope, norms):
+def _run_triton_with_norms(q, k, v, mix, geometry, options, rope, norms, mix_logits):
     from ..kernels import op
 
-    return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope, norms=norms)
+    return op.mhla_attention_triton(q, k, v, mix, geometry, options, rope, norms=norms, mix_logits=mix_logits)
 
 
 def _triton_rms_norm(x, weight, groups, eps):
@@ -197,23 +201,23 @@ def _autocast_inputs(q, k, v, dtype: Optional[torch.dtype]):
 
 def mhla_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: torch.Tensor, geometry: BlockGeometry,
             options: MHLAOptions, *, rope=None, backend: str = "auto", group=None,
-            norms: Optional[Norms] = None) -> torch.Tensor:
+            norms: Optional[Norms] = None, mix_logits: bool = False) -> torch.Tensor:
     """`mhla_attention` with the block geometry and options already resolved (processors build both once).
     norms: RMSNorms of the layer around the op (q, k before it, its output after), applied by the kernels on the
-    way where they can (`_fuses`), in PyTorch before and after otherwise."""
+    way where they can (`_fuses`), in PyTorch before and after otherwise. mix_logits: as `mhla_attention`'s."""
     sharded = group is not None
     check_inputs(q, k, v, mix, geometry, sharded)
     autocast = _autocast_dtype(q.device)
     q, k, v = _autocast_inputs(q, k, v, autocast)  # under autocast the norms and the op run in autocast's type
     chosen = choose(backend, q, k, v, geometry, options)
     if norms is None:
-        return chosen.run(q, k, v, mix, geometry, options, rope, group)
+        return chosen.run(q, k, v, mix, geometry, options, rope, group, mix_logits)
     if autocast is None and _fuses(chosen, norms, q, k, v, mix, rope, group):
-        return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms)
+        return chosen.run_with_norms(q, k, v, mix, geometry, options, rope, norms, mix_logits)
     fused = chosen.rms_norm if all(t.device == q.device for t in norms.tensors) else None
     q, k = norms.inputs(q, k, fused)
     if fused is None:  # PyTorch's passes may return another type than they were given (session 28 assumed
         # autocast's rms_norm returns fp32): the op runs in autocast's type, or is chosen for what they returned
         q, k, v = _autocast_inputs(q, k, v, autocast)
         chosen = choose(backend, q, k, v, geometry, options)
-    return norms.output(chosen.run(q, k, v, mix, geometry, options, rope, group), fused)
+    return norms.output(chosen.run(q, k, v, mix, geometry, options, rope, group, mix_logits), fused)
