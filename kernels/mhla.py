@@ -1094,9 +1094,10 @@ def _tf32(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def softmaxes_logits(s: torch.Tensor) -> bool:
-    """Whether mixing summaries like s (block-major) can take the matrix's logits: the mixing kernel reading mix as it
-    is softmaxes its rows as it loads them, a launch fewer than PyTorch's softmax before the op."""
+def _mixes_in_one_launch(s: torch.Tensor) -> bool:
+    """Whether mixing summaries like s (block-major) is one `_mix_kernel` launch on mix as the caller holds it, which
+    also mixes z, may form the backward's Gram (`_gram_in_mix`) and softmaxes the matrix's logits as it loads them (a
+    launch fewer than PyTorch's softmax before the op)."""
     return mixes_with_kernel(s) and _reads_mix_as_is(s.shape[0])
 
 
@@ -1122,11 +1123,10 @@ def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dt
     """(mix @ s, mix @ z) as `mix_blocks` makes each, in one launch where the kernel folds z in (bf16 s, which only
     bf16 inputs have, at up to CONFIG["mix"]["fold_up_to"] blocks; z then in full fp32, not TF32); z None
     (unnormalized: nothing to mix) gives None. `logits`: mix holds the matrix's logits (`mixing.mixing_matrix`)."""
-    if softmaxes_logits(s):
+    if _mixes_in_one_launch(s):
         return mix_with_kernel(mix, s, z, logits=logits)[:2]
     mix = mixing_matrix(mix, logits)
     return mix_blocks(mix, s, dtype), None if z is None else mix_blocks(mix, z, dtype)
-
 
 
 def block_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1204,8 +1204,7 @@ def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize
 
 def _gram_in_mix(s: torch.Tensor) -> bool:
     """Whether the backward's mix^T launch over summaries like s (block-major) also forms dmix (`mix_back`)."""
-    m = s.shape[0]
-    return mixes_with_kernel(s) and _reads_mix_as_is(m) and m <= CONFIG["mix"]["gram_up_to"]
+    return _mixes_in_one_launch(s) and s.shape[0] <= CONFIG["mix"]["gram_up_to"]
 
 
 def mix_back(mix, ds_mixed, dz_mixed, s, z, dtype: torch.dtype, gram: torch.Tensor | None = None):

@@ -403,7 +403,7 @@ def mhla_attention_triton(q, k, v, mix, geometry, options, rope=None, start=0, r
     slice's output is wrong, but its kernels are those of a rank: `bench op --shard` times them so.
     `norms`: RMSNorms to apply on the way (`mhla_linear`; inference only, the dispatch decides).
     `mix_logits`: mix holds the mixing matrix's logits, softmaxed where the kernels read them (the quadratic form's
-    launch; the mixing launch where it reads mix as it is, `mhla.softmaxes_logits`), else first by PyTorch.
+    launch; the mixing launch where it reads mix as it is, `mhla._mixes_in_one_launch`), else first by PyTorch.
     Short calls over the whole grid take `mhla_parallel` (`_takes_parallel_form`).
     """
     if _takes_parallel_form(q, k, v, mix, geometry, rope, reduce, norms):

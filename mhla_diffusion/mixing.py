@@ -69,49 +69,38 @@ class MixingMatrices(nn.Module):
         super().__init__()
         self.mix_init, self.mix_blocks = mix_init, as_blocks(mix_blocks)
         self.logits = nn.Parameter(initial_logits(self.mix_blocks, mix_init))
-        self._reused = None  # (what it was computed from, the matrix): `forward` without gradients
+        self._reused = None  # (what it was computed from, the matrix): `for_op` without gradients
 
     def extra_repr(self) -> str:
         return f"mix_blocks={self.mix_blocks}"
 
     def forward(self, blocks) -> torch.Tensor:
-        """The (M, M) fp32 mixing matrix for the block grid `blocks` of one call.
+        """The (M, M) fp32 mixing matrix for the block grid `blocks` of one call (`for_op`'s, softmaxed where it
+        hands the logits)."""
+        return mixing_matrix(*self.for_op(blocks))
 
-        Where no gradient reaches the logits (inference, a frozen matrix), the last matrix is reused while the logits
-        are the same tensor at the same version (an optimizer step, `load_state_dict` or `.to()` each make a new
-        one): resampling costs two interpolation kernels a layer, 13 us against the op's 22 at DiT-XL/2 512 px (H100,
-        session 40). Inside torch.compile the graph computes it, as a traced cache would be guarded on every call."""
+    def for_op(self, blocks) -> tuple[torch.Tensor, bool]:
+        """(mix, whether it holds logits) for one op call on the block grid `blocks` (`mhla_op(..., mix_logits=)`).
+
+        Where no gradient reaches the logits (inference, a frozen matrix), the matrix, the last one reused while the
+        logits are the same tensor at the same version (an optimizer step, `load_state_dict` or `.to()` each make a
+        new one): resampling costs two interpolation kernels a layer, 13 us against the op's 22 at DiT-XL/2 512 px
+        (H100, session 40). Elsewhere (with gradients; inside torch.compile, where a traced cache would be guarded on
+        every call) the logits at `blocks`, which the kernels softmax where they read them: in a compiled DiT-XL/2
+        512 px model that softmax was a launch of its own, 1.4 us a layer beside the op's 21 (H100, session 42)."""
         logits = self.logits  # once: each attribute read of a parameter goes through nn.Module.__getattr__
-        if self._recomputes(logits):
-            return self._matrix(blocks)
+        if (torch.is_grad_enabled() and logits.requires_grad) or torch.compiler.is_compiling():
+            return resample_logits(logits, self.mix_blocks, blocks), True
         # `blocks` as the caller spelled it (a grid spelled another way recomputes, as it should give the same matrix)
         source = (blocks, logits.data_ptr(), logits._version, logits.dtype, logits.device,
                   torch.is_inference_mode_enabled())
         reused = self._reused
         if reused is None or reused[0] != source:
             self._reused = reused = (source, self._matrix(blocks))
-        return reused[1]
-
-    def for_op(self, blocks) -> tuple[torch.Tensor, bool]:
-        """(mix, whether it holds logits) for one op call on the block grid `blocks` (`mhla_op(..., mix_logits=)`):
-        the matrix where `forward` reuses it; where it would compute it each call, the logits at `blocks`, which the
-        kernels softmax where they read them. In a compiled DiT-XL/2 512 px model that softmax was a launch of its
-        own, 1.4 us a layer beside the op's 21 (H100, session 42)."""
-        logits = self.logits
-        if self._recomputes(logits):
-            return self._logits_at(blocks), True
-        return self(blocks), False
-
-    @staticmethod
-    def _recomputes(logits: torch.Tensor) -> bool:
-        """Whether the matrix is made anew each call: gradients reach the logits, or torch.compile traces it."""
-        return (torch.is_grad_enabled() and logits.requires_grad) or torch.compiler.is_compiling()
-
-    def _logits_at(self, blocks) -> torch.Tensor:
-        return resample_logits(self.logits, self.mix_blocks, blocks)
+        return reused[1], False
 
     def _matrix(self, blocks) -> torch.Tensor:
-        return mixing_matrix(self._logits_at(blocks), logits=True)
+        return mixing_matrix(resample_logits(self.logits, self.mix_blocks, blocks), logits=True)
 
     @torch.no_grad()
     def drift(self) -> dict:
