@@ -205,6 +205,7 @@ def test_versus_keeps_timing_past_a_failing_candidate_and_checks_each(monkeypatc
     (["--versus", "parallel.CONFIG.max_tokens=256", "--impls", "mhla"], "drop --impls and --profile"),
     (["--versus", "parallel.CONFIG.max_tokens=256", "--rounds", "0"], "--rounds must be at least 1"),
     (["--rounds", "2"], "give --versus too"),
+    (["--in-layer", "--shard", "2"], "drop --in-layer or --shard"),
 ])
 def test_versus_refuses_a_bad_run_in_one_line(argv, message, capsys):
     assert main(["bench", "op", *argv]) == 2  # this machine has no GPU: refused before that
@@ -299,3 +300,119 @@ def test_set_refuses_what_no_table_holds_in_one_line(setting, message, command, 
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "CUDA" not in err
     assert dict(parallel.CONFIG) == before
+
+
+def test_in_layer_runs_the_attention_between_the_layer_projections():
+    """`in_layer(fn)`: q, k, v projected from x, fn, the output projection; the baseline's attention (the projections
+    alone) passes v on and hands the output's gradient to q, k and v alike, with no kernel of its own."""
+    from mhla_diffusion.cli.bench_layer import in_layer, layer_leaves, projections_only
+
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(2, 6, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    leaves, do_flat = layer_leaves(q, do, torch.eye(2, dtype=torch.float64))
+    x, wq, wk, wv, wo, mix = leaves
+    assert x.shape == (2, 6, 12) and wo.shape == (12, 12) and do_flat.shape == (2, 6, 12)
+    assert all(t.requires_grad for t in leaves)
+
+    def split(t):
+        return t.unflatten(-1, (3, 4))
+
+    out = in_layer(bench.global_linear, 3)(*leaves)
+    want = bench.global_linear(split(x @ wq), split(x @ wk), split(x @ wv)).flatten(-2) @ wo
+    torch.testing.assert_close(out, want)
+
+    def passing(t):  # v forward; the gradient to q, k and v alike backward
+        return (t[2] + (t[0] - t[0].detach()) + (t[1] - t[1].detach())).flatten(-2) @ wo
+
+    got = in_layer(projections_only, 3)(*leaves)
+    torch.testing.assert_close(got, x @ wv @ wo)
+    grads = torch.autograd.grad(got, (x, wq, wk, wv, wo), do_flat)
+    want = torch.autograd.grad(passing([split(x @ w) for w in (wq, wk, wv)]), (x, wq, wk, wv, wo), do_flat)
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_in_layer_takes_each_call_less_the_projections_timed_the_same_way():
+    from mhla_diffusion.cli.bench_layer import less_projections
+
+    base = {"ms": 0.010, "how": "graph", "eager_ms": 0.030, "queued_ms": 0.012}
+    graph = less_projections({"ms": 0.025, "how": "graph", "eager_ms": 0.050, "queued_ms": 0.028}, base)
+    assert graph == pytest.approx({"ms": 0.015, "how": "graph", "eager_ms": 0.020, "queued_ms": 0.016,
+                                   "layer_ms": 0.025})
+    queued = less_projections({"ms": 0.040, "how": "queued", "eager_ms": 0.060, "queued_ms": 0.040}, base)
+    assert queued["ms"] == pytest.approx(0.028) and queued["layer_ms"] == 0.040
+    failed = less_projections({"ms": 0.040, "how": "graph", "eager_ms": 0.06, "queued_ms": 0.04},
+                              {"ms": math.nan, "error": "no kernel"})
+    assert math.isnan(failed["ms"]) and math.isnan(failed["queued_ms"])
+
+
+def _projections_alone(fn, leaves):
+    """Whether `fn` of the layer's leaves (x, W_q, W_k, W_v, W_o, mix) is the projections-alone baseline: its output
+    is x W_v W_o."""
+    with torch.no_grad():
+        return torch.allclose(fn(*leaves), leaves[0] @ leaves[3] @ leaves[4])
+
+
+def test_bench_op_in_layer_times_each_call_inside_the_projections_less_them(monkeypatch, capsys):
+    """`bench op --in-layer`: every implementation runs between the layer's projections (forward and backward, on the
+    layer's leaves), the projections alone are timed too, and the table gives each call's time less theirs. GPU time
+    is stood in for: 0.010 / 0.040 ms (forward / f+b) for the projections alone, 0.025 / 0.070 for the layer with
+    global linear attention."""
+    calls = []
+
+    def time_impl(fn, leaves, do, backward, graph):
+        alone = _projections_alone(fn, leaves)
+        out = fn(*leaves)
+        assert out.shape == do.shape == leaves[0].shape
+        if backward:
+            out.backward(do)
+            assert all(t.grad is not None for t in leaves[:5])
+            for t in leaves:
+                t.grad = None
+        calls.append(("projections" if alone else "linear", backward))
+        ms = {(True, False): 0.010, (True, True): 0.040, (False, False): 0.025, (False, True): 0.070}[alone, backward]
+        return {"ms": ms, "how": "graph", "eager_ms": 2 * ms, "queued_ms": ms}
+
+    _gpu_stand_in(monkeypatch)
+    monkeypatch.setattr(bench, "shape_inputs", _cpu_inputs)
+    monkeypatch.setattr(bench, "_copy_bandwidth", lambda do_bench: 1e12)
+    monkeypatch.setattr(bench, "time_impl", time_impl)
+    assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--impls", "linear", "--in-layer"]) == 0
+    assert calls == [("projections", False), ("projections", True), ("linear", False), ("linear", True)]
+    out = capsys.readouterr().out
+    assert "less those projections alone" in out
+    fwd, fwdbwd = (line for line in out.splitlines() if line.startswith("| DiT-XL/2 256px |"))
+    assert fwd.endswith(" | 0.0150 |") and fwdbwd.endswith(" | 0.0300 |")
+
+
+def test_versus_in_layer_takes_each_round_less_its_projections(monkeypatch, capsys):
+    """`--versus --in-layer`: MHLA runs between the layer's projections, which each round times alone first; a
+    candidate's time is its own less that round's. Stand-ins: MHLA (the op itself runs on a GPU) and GPU time
+    (projections 0.010 / 0.040 ms in round r + 1 of the warm-up's 0, plus 0.001 r; the layer with MHLA that plus
+    0.005 / 0.020, doubled under the candidate)."""
+    from mhla_diffusion import ops
+    from mhla_diffusion.kernels import parallel
+
+    rounds = []
+
+    def time_op(do_bench, fn, leaves, do, backward):
+        alone = _projections_alone(fn, leaves)
+        if alone and not backward:
+            rounds.append(len(rounds))
+        base = (0.010, 0.040)[backward] + 0.001 * rounds[-1]
+        return base if alone else base + (0.005, 0.020)[backward] * (1 + (parallel.CONFIG["max_tokens"] == 1024))
+
+    _gpu_stand_in(monkeypatch)
+    monkeypatch.setattr(bench, "shape_inputs", _cpu_inputs)
+    monkeypatch.setattr(bench, "time_op", time_op)
+    monkeypatch.setattr(ops, "mhla_attention", lambda q, k, v, mix, grid, blocks, backend: bench.global_linear(q, k, v))
+    assert main(["bench", "op", "--shapes", "DiT-XL/2 256px", "--rounds", "2", "--in-layer",
+                 "--versus", "parallel.CONFIG.max_tokens=1024"]) == 0
+    assert rounds == [0, 1, 2]  # the warm-up round, then two
+    out = capsys.readouterr().out
+    assert "less those projections alone" in out
+    rows = [line for line in out.splitlines() if line.startswith("| DiT")]
+    assert rows[0] == ("| DiT-XL/2 256px | 256 | as run | 0.00500 (0.00500-0.00500) | 1.000 | 0.0200 (0.0200-0.0200) "
+                       "| 1.000 |")
+    assert rows[1].startswith("| DiT-XL/2 256px | 256 | parallel.CONFIG.max_tokens=1024 | 0.0100 (0.0100-0.0100) "
+                              "| 2.000 |")

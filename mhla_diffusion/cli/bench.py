@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bench_layer import IN_LAYER
 from .bench_model import register_model_command
 from .profiling import kernel_profile
 
@@ -61,6 +62,10 @@ def register_op_command(commands, settings: argparse.ArgumentParser) -> None:
                        help="instead of the peers, time MHLA on each rank's token slice of the sequence split over P "
                             "ranks (context parallel) on this one GPU, P = 1 too: the rank's kernels, without the "
                             "all-reduces of the summaries and of their gradients (see shard_rows)")
+    op.add_argument("--in-layer", action="store_true",
+                    help="time each call inside a self-attention layer's projections (q, k, v from x before it, the "
+                         "output projection after: cuBLAS GEMMs, as a model runs it), less those projections alone; "
+                         "with --versus too")
     op.add_argument("--rounds", type=int, help="rounds of --versus (default 3)")
     op.add_argument("--shared-memory", type=int, metavar="BYTES",
                     help="launch as a card with BYTES of shared memory per program would (101376: an RTX 4090 or "
@@ -290,8 +295,11 @@ def shape_inputs(shape: Shape, dtype: torch.dtype, batch: int):
 
 
 def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, profile: bool = False,
-                impls=None) -> dict:
-    """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs."""
+                impls=None, in_layer: bool = False) -> dict:
+    """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs; `in_layer`:
+    inside a layer's projections, less the projections alone (`bench_layer`)."""
+    from .bench_layer import in_layer as layer_of, layer_leaves, less_projections, projections_only
+
     geometry, (q, k, v, do), mix, rope = shape_inputs(shape, dtype, batch)
     blocks = geometry.blocks
     n, m = geometry.num_tokens, geometry.num_blocks
@@ -301,21 +309,25 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
            "blocks_chosen": "auto" if shape.blocks == "auto" else "fixed",
            "floor_fwd_ms": 4 * row_bytes / bandwidth * 1e3, "floor_fwdbwd_ms": 11 * row_bytes / bandwidth * 1e3,
            "times": {}}
-    fns = implementations(shape, blocks, rope)
+    fns = {name: fn for name, fn in implementations(shape, blocks, rope).items() if not impls or name in impls}
+    if in_layer:
+        leaves, do = layer_leaves(q, do, mix)
+        fns = {name: layer_of(fn, shape.heads) for name, fn in fns.items()}
+        row["projections"] = {key: time_impl(layer_of(projections_only, shape.heads), leaves, do, backward, graph=True)
+                              for backward, key in ((False, "fwd"), (True, "fwdbwd"))}
     for name, fn in fns.items():
-        if impls and name not in impls:
-            continue
         row["times"][name] = {}
         for backward, key in ((False, "fwd"), (True, "fwdbwd")):
             try:
-                row["times"][name][key] = time_impl(fn, leaves, do, backward, graph=not backward or IMPLS[name][1])
+                timed = time_impl(fn, leaves, do, backward, graph=not backward or IMPLS[name][1])
+                row["times"][name][key] = less_projections(timed, row["projections"][key]) if in_layer else timed
             except RuntimeError as err:  # e.g. no cuDNN kernel for this shape: say so, time the rest
                 row["times"][name][key] = {"ms": math.nan, "error": str(err).splitlines()[0]}
             torch.cuda.empty_cache()
     row.update(ratios(row))
     if profile:
         for name in ("mhla", "mhla_used", "mhla_norms"):
-            if name not in fns or (impls and name not in impls):
+            if name not in fns:
                 continue
             for backward, what in ((False, "forward"), (True, "forward+backward")):
                 print(f"--- profile: {shape.name}, {IMPLS[name][0]}, {what} ---\n"
@@ -415,7 +427,8 @@ def _table(rows: list[dict], device: str, bandwidth: float, dtype: str, batch: i
         "do_bench_cudagraph); * = eager calls queued behind a sleep kernel and timed between CUDA events "
         f"(SDPA's backward: no Python launch cost either way). Copy bandwidth {bandwidth / 1e12:.2f} TB/s. floor: read q, k, v and write o once (fwd); "
         "plus read q, k, v, dO and write dq, dk, dv (f+b). MHLA eager: median of eager calls (Python launch "
-        "cost included). Ratios: MHLA / cuDNN, MHLA / global linear, MHLA as used / MHLA (> 1: slower).",
+        "cost included). Ratios: MHLA / cuDNN, MHLA / global linear, MHLA as used / MHLA (> 1: slower)."
+        + (" " + IN_LAYER if any("projections" in r for r in rows) else ""),
     ]
     for key, what in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
         head = ["shape", "N", "heads x D", "blocks (M)", "floor"] + [IMPLS[n][0] for n in names]
@@ -480,6 +493,8 @@ def run_op(args: argparse.Namespace) -> int:
 
 def _versus_candidates(args: argparse.Namespace) -> list[list[str]]:
     """--versus's candidates, each its list of settings ([] without --versus), and the options it takes checked."""
+    if args.in_layer and args.shard:
+        raise ValueError("--in-layer times the peers or --versus, not a rank's slice: drop --in-layer or --shard")
     if args.versus is None:
         if args.rounds is not None:
             raise ValueError("--rounds counts the rounds of --versus: give --versus too")
@@ -500,7 +515,8 @@ def _run_op(args: argparse.Namespace, device: str, candidates: list[list[str]]) 
     from ..kernels.overrides import overridden
 
     dtype = getattr(torch, args.dtype)
-    report = {"device": device, "dtype": args.dtype, "batch": args.batch, "settings": args.set}
+    report = {"device": device, "dtype": args.dtype, "batch": args.batch, "settings": args.set,
+              "in_layer": args.in_layer}
     # an A/B times and checks each candidate as it is asked, not at the smaller settings a card would step down to,
     # unless it runs as a card with less shared memory, whose step-down is what is measured
     exact = as_asked if candidates and args.shared_memory is None else contextlib.nullcontext
@@ -526,11 +542,11 @@ def _run_op(args: argparse.Namespace, device: str, candidates: list[list[str]]) 
         report["versus_rows"] = []
         for s in shapes:
             with exact():
-                report["versus_rows"].append(versus_row(s, dtype, args.batch, candidates, rounds))
+                report["versus_rows"].append(versus_row(s, dtype, args.batch, candidates, rounds, args.in_layer))
             if not args.json:
                 print("\n".join(versus_lines(report["versus_rows"][-1])), flush=True)
         print(json.dumps(report, indent=1) if args.json else
-              versus_table(report["versus_rows"], report["device"], args.dtype, args.batch, rounds))
+              versus_table(report["versus_rows"], report["device"], args.dtype, args.batch, rounds, args.in_layer))
         return _check_failures(report)
     if args.shard:
         report["shard_rows"] = []
@@ -545,7 +561,7 @@ def _run_op(args: argparse.Namespace, device: str, candidates: list[list[str]]) 
     report["bandwidth_Bps"] = bandwidth = _copy_bandwidth(do_bench)
     report["rows"] = []
     for s in shapes:
-        report["rows"].append(bench_shape(s, dtype, args.batch, bandwidth, args.profile, args.impls))
+        report["rows"].append(bench_shape(s, dtype, args.batch, bandwidth, args.profile, args.impls, args.in_layer))
         if not args.json:  # one line per shape as it finishes: a run cut short still reports what it measured
             print(_progress(report["rows"][-1]), flush=True)
     if args.json:

@@ -14,6 +14,8 @@ import statistics
 import torch
 from triton.runtime.errors import OutOfResources
 
+from .bench_layer import IN_LAYER
+
 PASSES = (("fwd", False), ("fwdbwd", True))
 # The tables plain MHLA (no RoPE, no norms: what --versus times) reads; ROPE_CONFIG and rms_norm's would print "no
 # change" whatever they held.
@@ -37,16 +39,19 @@ def candidate_settings(candidates: list[str]) -> list[list[str]]:
     return split
 
 
-def versus_row(shape, dtype: torch.dtype, batch: int, candidates: list[list[str]], rounds: int) -> dict:
+def versus_row(shape, dtype: torch.dtype, batch: int, candidates: list[list[str]], rounds: int,
+               in_layer: bool = False) -> dict:
     """GPU times (CUDA-graph replay, ms) of MHLA on one shape's inputs under the settings in force (index 0) and
     under each candidate's on top of them, forward and forward+backward. Round r times them in turn starting at the
     r-th; a warm-up round before is not kept. A settings whose launch fails (e.g. refused by the card) is kept as
-    its error, and the others are timed on."""
+    its error, and the others are timed on. `in_layer`: each call inside a layer's projections, less the projections
+    alone as timed in the same round (`bench_layer`)."""
     from triton.testing import do_bench_cudagraph
 
     from ..kernels.overrides import overridden
     from ..ops import mhla_attention
     from .bench import shape_inputs, time_op
+    from .bench_layer import in_layer as layer_of, layer_leaves, projections_only
 
     geometry, (q, k, v, do), mix, _ = shape_inputs(shape, dtype, batch)
     leaves = [t.requires_grad_() for t in (q, k, v, mix)]
@@ -54,10 +59,15 @@ def versus_row(shape, dtype: torch.dtype, batch: int, candidates: list[list[str]
     def fn(q, k, v, mix):
         return mhla_attention(q, k, v, mix, shape.grid, geometry.blocks, backend="triton")
 
+    if in_layer:
+        leaves, do = layer_leaves(q, do, mix)
+        fn, projections = layer_of(fn, shape.heads), layer_of(projections_only, shape.heads)
     settings = [[], *candidates]
     times = [{key: [] for key, _ in PASSES} for _ in settings]
     errors = [None] * len(settings)
     for r in range(-1, rounds):
+        base = [time_op(do_bench_cudagraph, projections, leaves, do, backward) if in_layer else 0.0
+                for _, backward in PASSES]
         for i in ((r + j) % len(settings) for j in range(len(settings))):
             if errors[i] is not None:
                 continue
@@ -68,17 +78,18 @@ def versus_row(shape, dtype: torch.dtype, batch: int, candidates: list[list[str]
                     errors[i] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                     continue
             if r >= 0:
-                for (key, _), ms in zip(PASSES, timed):
-                    times[i][key].append(ms)
+                for (key, _), ms, less in zip(PASSES, timed, base):
+                    times[i][key].append(ms - less)
         torch.cuda.empty_cache()
     return {"shape": shape.name, "N": geometry.num_tokens, "settings": settings, "times": times, "errors": errors}
 
 
-def versus_table(rows: list[dict], device: str, dtype: str, batch: int, rounds: int) -> str:
+def versus_table(rows: list[dict], device: str, dtype: str, batch: int, rounds: int, in_layer: bool = False) -> str:
     """A line per shape and settings: median (range) over the rounds, and the median against the first line's."""
     lines = [f"{device}, {dtype}, B = {batch}: MHLA's GPU time in ms (CUDA-graph replay), median of {rounds} rounds "
              "(min-max), the settings timed in turn each round after a warm-up round; '/ as run': median over the "
-             "first line's (the settings in force), > 1 slower. A difference inside the first line's range is noise.",
+             "first line's (the settings in force), > 1 slower. A difference inside the first line's range is noise."
+             + (" " + IN_LAYER if in_layer else ""),
              "", "| shape | N | settings | forward | / as run | forward+backward | / as run |", "|---" * 7 + "|"]
     failed = [f"{r['shape']}, {'; '.join(s) or 'as run'}: {e}" for r in rows for s, e in zip(r["settings"], r["errors"])
               if e is not None]
