@@ -31,13 +31,18 @@ from triton.runtime.jit import JITFunction
 # off): the backward's q-side gradient and mix^T launches 0.979x at DiT-XL/2 384 px, 0.989x at 512 px, 0.982x at
 # SANA-1.6B 1K, 1.000x at 256 px (the quadratic form); the summaries' trigger 1.02-1.12x slower in the forward, the
 # mixing launch's 1.056x at 384 px, the quadratic form's query launch's 1.11x f+b at 256 px. The output launch's
-# trigger (forward 0.98x) only lets the benchmark's next replay start early: in a model a GEMM follows it.
-CONFIG = {"dependent_launch": True, "trigger_dependents": ("grad_queries", "mix_back")}
-# The op's launches by name (`launch`'s `name`): the linear path's forward (summaries, mixing, output) and backward
-# (the q-side gradients, the mix^T launch that also forms dmix, at up to 64 blocks: past that its products launch as
-# "mix"; the k/v-side gradients), and the quadratic form's forward and two backward launches.
-LAUNCHES = ("summaries", "mix", "output", "grad_queries", "mix_back", "grad_keys", "parallel", "parallel_grad_queries",
-            "parallel_grad_keys")
+# trigger (forward 0.98x) only lets the benchmark's next replay start early: in a model a GEMM follows it. H100,
+# session 58, the forward mixing launch's trigger between a layer's projections (`bench op --in-layer --versus`, 5
+# rounds, fwd / f+b): DiT-XL/2 384 px 0.958 / 0.988, 512 px 0.959 / 1.000 (another call: 0.940 / 0.981), 1024 px 0.988
+# / 1.004, SANA-1.6B 1K 0.925 / 1.010; replayed alone, Wan2.1-1.3B 480p (60 blocks of 546 tokens) 1.039 / 1.002,
+# SANA-1.6B 4K and Wan2.1-14B 720p level: it triggers at short blocks only ("mix_short").
+CONFIG = {"dependent_launch": True, "trigger_dependents": ("grad_queries", "mix_back", "mix_short")}
+# The op's launches by name (`launch`'s `name`): the linear path's forward (summaries, mixing, output; the mixing
+# launch of a call on mhla.SHORT_CONFIG's settings, blocks of at most mhla.SHORT_BLOCK tokens, is "mix_short") and
+# backward (the q-side gradients, the mix^T launch that also forms dmix, at up to 64 blocks: past that its products
+# launch as "mix"; the k/v-side gradients), and the quadratic form's forward and two backward launches.
+LAUNCHES = ("summaries", "mix", "mix_short", "output", "grad_queries", "mix_back", "grad_keys", "parallel",
+            "parallel_grad_queries", "parallel_grad_keys")
 # (kernel, current device, the arguments' keys) -> (compiled kernel, the parameters after the positional arguments,
 # each with its default)
 _COMPILED: dict = {}

@@ -769,6 +769,12 @@ def step_tiles(kernel: str, out_norm: bool = False) -> tuple[str, ...]:
     return tuple(t for t in STEP_TILES[kernel] if not (out_norm and t == "block_dv"))
 
 
+def _short(dtype: torch.dtype, block_d: int, max_len: int, rope: bool) -> bool:
+    """Whether a call takes SHORT_CONFIG's overrides (where `tune.py --sweep short` measured them): bf16 tiles up to
+    128 wide, no RoPE, blocks of at most SHORT_BLOCK tokens."""
+    return dtype == torch.bfloat16 and block_d <= MAX_TILE and not rope and max_len <= SHORT_BLOCK
+
+
 def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False) -> dict:
     """CONFIG[kernel] (tuned for bf16 tiles up to 128 x 128; for such calls without RoPE whose blocks hold at most
     SHORT_BLOCK tokens, SHORT_CONFIG's overrides, and at most SHORTEST_BLOCK, SHORTEST_CONFIG's over those; with
@@ -783,7 +789,7 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
     the RoPE overrides (warps tuned for 128 x 128 accumulators idle over SANA's 32 x 32).
     """
     tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
-    short = tuned and not rope and max_len <= SHORT_BLOCK  # where `tune.py --sweep short` measured SHORT_CONFIG
+    short = _short(dtype, block_d, max_len, rope)
     shortest = short and max_len <= SHORTEST_BLOCK
     cfg = {**CONFIG[kernel], **(SHORT_CONFIG.get(kernel, {}) if short else {}),
            **(SHORTEST_CONFIG.get(kernel, {}) if shortest else {})}
@@ -1032,7 +1038,7 @@ def _reads_mix_as_is(m: int) -> bool:
 
 
 def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None, gram_with=None,
-                    gram: torch.Tensor | None = None, logits: bool = False):
+                    gram: torch.Tensor | None = None, logits: bool = False, name: str = "mix"):
     """(sum_b mix[i, b] s[b] in s's type, the same of fp32 z or None, the Gram or None) by one `_mix_kernel` launch
     (fp32 accumulate). Up to CONFIG["mix"]["fold_up_to"] blocks the kernel reads mix as it is, and mixes z in the same
     launch: at short sequences the padded copy, its fill and z's own GEMM were three of the forward's seven launches
@@ -1040,7 +1046,8 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
     too: the launch also returns sum over f of s[i, f] S[j, f] + z[i, f] z_gram[j, f], (M x M) fp32 (the backward's
     dmix, from the dS~ and dz~ tiles it mixes back: no `_gram_kernel` launches, their fills and sum), added into
     `gram` where given (zeroed by an earlier launch: `output_backward`), else into a zero-filled buffer. `logits`:
-    mix holds the matrix's logits, which the kernel softmaxes row by row as it loads them (there too)."""
+    mix holds the matrix's logits, which the kernel softmaxes row by row as it loads them (there too). `name`: the
+    launch's name without the Gram (`compiled.LAUNCHES`; with it, "mix_back")."""
     flat = s.flatten(1)
     m = s.shape[0]
     direct = _reads_mix_as_is(m)
@@ -1062,7 +1069,7 @@ def mix_with_kernel(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None =
                         flat.shape[1], z_flat.shape[1], m if direct else a.shape[1], a.stride(0), a.stride(1),
                         flat.stride(0), flat.stride(1), z_flat.stride(0), z_flat.stride(1), ps.stride(0), ps.stride(1),
                         pz.stride(0), pz.stride(1), GRAM=gram is not None, SOFTMAX=logits,
-                        name="mix" if gram_with is None else "mix_back", **kwargs)
+                        name=name if gram_with is None else "mix_back", **kwargs)
 
     launch_within_card(_mix_kernel, s.device, _mix_settings(m, gram is not None), step_tiles("mix"),
                        {"dtype": s.dtype, "M": m, "z": z is not None, "gram": gram is not None}, launch)
@@ -1119,12 +1126,13 @@ def mix_blocks(mix: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 def mix_summaries(mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, dtype: torch.dtype,
-                  logits: bool = False):
+                  logits: bool = False, name: str = "mix"):
     """(mix @ s, mix @ z) as `mix_blocks` makes each, in one launch where the kernel folds z in (bf16 s, which only
     bf16 inputs have, at up to CONFIG["mix"]["fold_up_to"] blocks; z then in full fp32, not TF32); z None
-    (unnormalized: nothing to mix) gives None. `logits`: mix holds the matrix's logits (`mixing.mixing_matrix`)."""
+    (unnormalized: nothing to mix) gives None. `logits`: mix holds the matrix's logits (`mixing.mixing_matrix`);
+    `name`: that one launch's name (`compiled.LAUNCHES`)."""
     if _mixes_in_one_launch(s):
-        return mix_with_kernel(mix, s, z, logits=logits)[:2]
+        return mix_with_kernel(mix, s, z, logits=logits, name=name)[:2]
     mix = mixing_matrix(mix, logits)
     return mix_blocks(mix, s, dtype), None if z is None else mix_blocks(mix, z, dtype)
 
@@ -1177,8 +1185,11 @@ def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: boo
                    out_norm=None, logits: bool = False):
     """(o, (S~, z~ or None)): the output of the call's queries from the complete summaries (S in `state_dtype`), and
     the mixed summaries it read (`keeps_mixed`); `block_output` says what q_norm and out_norm apply; `logits`: mix
-    holds the matrix's logits (`mix_summaries`)."""
-    mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype, logits)
+    holds the matrix's logits (`mix_summaries`). The mixing launch of a call on SHORT_CONFIG's settings is "mix_short"
+    (`compiled.CONFIG["trigger_dependents"]`)."""
+    short = _short(q.dtype, _full_d_tiles(g.D, g.DV)[0], g.max_len, rope is not None)
+    mixed_s, mixed_z = mix_summaries(mix, s, z if normalize else None, q.dtype, logits,
+                                     name="mix_short" if short else "mix")
     o = block_output(q, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu, normalize=normalize, eps=eps,
                      out_dtype=q.dtype, q_norm=q_norm, out_norm=out_norm)
     return o, (mixed_s, mixed_z)

@@ -1231,15 +1231,18 @@ def test_rope_tables_reach_the_kernels_in_bf16_for_bf16_inputs(dtype, made_once,
         assert (seen[1][0] is seen[0][0]) == made_once
 
 
-@pytest.mark.parametrize(("grid", "names"), [
-    ((1, 16, 16), ["parallel", "parallel_grad_queries", "parallel_grad_keys"]),
-    ((1, 32, 32), ["summaries", "mix", "output", "grad_queries", "mix_back", "grad_keys"]),
-], ids=["quadratic form, 256 tokens", "linear path, 1024 tokens"])
-def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_launch(grid, names, monkeypatch):
+@pytest.mark.parametrize(("grid", "blocks", "names"), [
+    ((1, 16, 16), "auto", ["parallel", "parallel_grad_queries", "parallel_grad_keys"]),
+    ((1, 32, 32), "auto", ["summaries", "mix_short", "output", "grad_queries", "mix_back", "grad_keys"]),
+    ((1, 32, 32), (1, 2, 2), ["summaries", "mix", "output", "grad_queries", "summaries", "mix_back", "grad_keys"]),
+], ids=["quadratic form, 256 tokens", "linear path, 1024 tokens", "linear path, blocks of 256 tokens"])
+def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_launch(grid, blocks, names, monkeypatch):
     """`compiled.CONFIG["trigger_dependents"]` names the launches that let the next one start early: the op's
     forward+backward through `mhla_attention` (bf16, DiT's heads: the quadratic form at 256 tokens, the linear path's
     six launches at 1,024) hands `compiled.launch` each of its launches' names, in order, all of `compiled.LAUNCHES`;
-    a setting naming anything else is refused. The kernels are recorders (nothing runs)."""
+    the forward's mixing launch is "mix_short" over blocks of at most `mhla.SHORT_BLOCK` tokens (30 blocks of at most
+    36 here), "mix" over longer ones (4 blocks of 256, whose dO summaries are a launch of their own); a setting naming
+    anything else is refused. The kernels are recorders (nothing runs)."""
     from mhla_diffusion.blocks import resolve_blocks
     from mhla_diffusion.kernels import compiled
     from mhla_diffusion.kernels.overrides import parse
@@ -1249,7 +1252,7 @@ def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_laun
     named, launch = [], compiled.launch
     monkeypatch.setattr(compiled, "launch", lambda kernel, grid, *a, name="", **kw: named.append(name) or launch(
         kernel, grid, *a, **kw))
-    blocks = resolve_blocks(grid, "auto")
+    blocks = resolve_blocks(grid, blocks)
     q, k, v = (torch.randn(1, math.prod(grid), 16, 72, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     mix = locality_mix(blocks).requires_grad_()
     mhla_attention(q, k, v, mix, grid, blocks, backend="triton").sum().backward()
