@@ -769,10 +769,15 @@ def step_tiles(kernel: str, out_norm: bool = False) -> tuple[str, ...]:
     return tuple(t for t in STEP_TILES[kernel] if not (out_norm and t == "block_dv"))
 
 
+def _tuned(dtype: torch.dtype, block_d: int) -> bool:
+    """Whether a call's tiles are those CONFIG was tuned for: bf16, up to 128 wide."""
+    return dtype == torch.bfloat16 and block_d <= MAX_TILE
+
+
 def _short(dtype: torch.dtype, block_d: int, max_len: int, rope: bool) -> bool:
-    """Whether a call takes SHORT_CONFIG's overrides (where `tune.py --sweep short` measured them): bf16 tiles up to
-    128 wide, no RoPE, blocks of at most SHORT_BLOCK tokens."""
-    return dtype == torch.bfloat16 and block_d <= MAX_TILE and not rope and max_len <= SHORT_BLOCK
+    """Whether a call takes SHORT_CONFIG's overrides (where `tune.py --sweep short` measured them): tuned tiles
+    (`_tuned`), no RoPE, blocks of at most SHORT_BLOCK tokens."""
+    return _tuned(dtype, block_d) and not rope and max_len <= SHORT_BLOCK
 
 
 def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: bool = False) -> dict:
@@ -788,7 +793,7 @@ def _config(kernel: str, dtype: torch.dtype, block_d: int, max_len: int, rope: b
     wider than one of the kernel's "narrow_warps" widths runs on the warps given for the narrowest such width, before
     the RoPE overrides (warps tuned for 128 x 128 accumulators idle over SANA's 32 x 32).
     """
-    tuned = dtype == torch.bfloat16 and block_d <= MAX_TILE
+    tuned = _tuned(dtype, block_d)
     short = _short(dtype, block_d, max_len, rope)
     shortest = short and max_len <= SHORTEST_BLOCK
     cfg = {**CONFIG[kernel], **(SHORT_CONFIG.get(kernel, {}) if short else {}),

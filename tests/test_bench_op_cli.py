@@ -303,9 +303,9 @@ def test_set_refuses_what_no_table_holds_in_one_line(setting, message, command, 
 
 
 def test_in_layer_runs_the_attention_between_the_layer_projections():
-    """`in_layer(fn)`: q, k, v projected from x, fn, the output projection; the baseline's attention (the projections
+    """`layer_of(fn)`: q, k, v projected from x, fn, the output projection; the baseline's attention (the projections
     alone) passes v on and hands the output's gradient to q, k and v alike, with no kernel of its own."""
-    from mhla_diffusion.cli.bench_layer import in_layer, layer_leaves, projections_only
+    from mhla_diffusion.cli.bench_layer import layer_leaves, layer_of, projections_only
 
     g = torch.Generator().manual_seed(0)
     q, do = (torch.randn(2, 6, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
@@ -317,14 +317,14 @@ def test_in_layer_runs_the_attention_between_the_layer_projections():
     def split(t):
         return t.unflatten(-1, (3, 4))
 
-    out = in_layer(bench.global_linear, 3)(*leaves)
+    out = layer_of(bench.global_linear, 3)(*leaves)
     want = bench.global_linear(split(x @ wq), split(x @ wk), split(x @ wv)).flatten(-2) @ wo
     torch.testing.assert_close(out, want)
 
     def passing(t):  # v forward; the gradient to q, k and v alike backward
         return (t[2] + (t[0] - t[0].detach()) + (t[1] - t[1].detach())).flatten(-2) @ wo
 
-    got = in_layer(projections_only, 3)(*leaves)
+    got = layer_of(projections_only, 3)(*leaves)
     torch.testing.assert_close(got, x @ wv @ wo)
     grads = torch.autograd.grad(got, (x, wq, wk, wv, wo), do_flat)
     want = torch.autograd.grad(passing([split(x @ w) for w in (wq, wk, wv)]), (x, wq, wk, wv, wo), do_flat)

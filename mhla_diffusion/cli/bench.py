@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench_layer import IN_LAYER
+from .bench_layer import IN_LAYER, layer_leaves, layer_of, less_projections, projections_only
 from .bench_model import register_model_command
 from .profiling import kernel_profile
 
@@ -298,8 +298,6 @@ def bench_shape(shape: Shape, dtype: torch.dtype, batch: int, bandwidth: float, 
                 impls=None, in_layer: bool = False) -> dict:
     """GPU times of each implementation (see `time_impl`), forward and forward+backward, same inputs; `in_layer`:
     inside a layer's projections, less the projections alone (`bench_layer`)."""
-    from .bench_layer import in_layer as layer_of, layer_leaves, less_projections, projections_only
-
     geometry, (q, k, v, do), mix, rope = shape_inputs(shape, dtype, batch)
     blocks = geometry.blocks
     n, m = geometry.num_tokens, geometry.num_blocks

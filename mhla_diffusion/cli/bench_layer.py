@@ -34,7 +34,7 @@ def projections_only(q, k, v, mix=None):
     return PassValues.apply(q, k, v)
 
 
-def in_layer(fn, heads: int):
+def layer_of(fn, heads: int):
     """`fn(q, k, v, mix)` (B, N, heads, D) as a self-attention layer calls it: q, k, v = x W_q, x W_k, x W_v, then
     o W_o on its output ((B, N, heads * D)); a function of the layer's leaves (`layer_leaves`)."""
     def layer(x, wq, wk, wv, wo, mix):

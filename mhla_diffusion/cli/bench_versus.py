@@ -14,7 +14,7 @@ import statistics
 import torch
 from triton.runtime.errors import OutOfResources
 
-from .bench_layer import IN_LAYER
+from .bench_layer import IN_LAYER, layer_leaves, layer_of, projections_only
 
 PASSES = (("fwd", False), ("fwdbwd", True))
 # The tables plain MHLA (no RoPE, no norms: what --versus times) reads; ROPE_CONFIG and rms_norm's would print "no
@@ -51,7 +51,6 @@ def versus_row(shape, dtype: torch.dtype, batch: int, candidates: list[list[str]
     from ..kernels.overrides import overridden
     from ..ops import mhla_attention
     from .bench import shape_inputs, time_op
-    from .bench_layer import in_layer as layer_of, layer_leaves, projections_only
 
     geometry, (q, k, v, do), mix, _ = shape_inputs(shape, dtype, batch)
     leaves = [t.requires_grad_() for t in (q, k, v, mix)]
