@@ -1241,7 +1241,7 @@ def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_laun
     forward+backward through `mhla_attention` (bf16, DiT's heads: the quadratic form at 256 tokens, the linear path's
     six launches at 1,024) hands `compiled.launch` each of its launches' names, in order, all of `compiled.LAUNCHES`;
     the forward's mixing launch is "mix_short" over blocks of at most `mhla.SHORT_BLOCK` tokens (30 blocks of at most
-    36 here), "mix" over longer ones (4 blocks of 256, whose dO summaries are a launch of their own); a setting naming
+    42 here), "mix" over longer ones (4 blocks of 256, whose dO summaries are a launch of their own); a setting naming
     anything else is refused. The kernels are recorders (nothing runs)."""
     from mhla_diffusion.blocks import resolve_blocks
     from mhla_diffusion.kernels import compiled
