@@ -244,22 +244,29 @@ def _rope_t(g, cos_ptr, sin_ptr, scn, scd, n, mask_n, d, mask_d, BN: tl.constexp
 
 
 @triton.jit
-def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr, qw_ptr, gain_ptr, sqn, scn, scd, son, mat, zt, eps, out_eps,
-                   t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr,
-                   NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr, DOT: tl.constexpr,
-                   PRECISION: tl.constexpr, STREAM: tl.constexpr, PREFETCH: tl.constexpr):
+def _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, base, qs_ptr, qw_ptr, gain_ptr, sqn, scn, scd, son,
+                   eps, out_eps, t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, D: tl.constexpr,
+                   DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ELU: tl.constexpr,
+                   ROPE: tl.constexpr, NORMALIZE: tl.constexpr, NORM_Q: tl.constexpr, OUT_NORM: tl.constexpr,
+                   DOT: tl.constexpr, PRECISION: tl.constexpr, STREAM: tl.constexpr, PREFETCH: tl.constexpr,
+                   PDL: tl.constexpr):
     """o = rope(phi(q)) mat [/ (phi(q) . zt + eps)] for the tokens [r0, r1) (raster order inside the block) of one
-    block whose mixed summary (mat, zt) the program holds: `_output_kernel`'s token loop. With OUT_NORM (the
+    block, mat and zt its mixed summary at row `base` of S~ and z~: `_output_kernel`'s token loop. With OUT_NORM (the
     program holds the head's whole Dv), each row is then RMSNormed and scaled by the head's gain. With PREFETCH, the
-    loads of the next q tile are issued before this tile's product, into registers: the launch runs unpipelined
-    (its pipeline stages cost more than they hide), and without it each program waited on every tile's loads."""
+    loads of the next q tile are issued before this tile's product, into registers (the launch runs unpipelined: its
+    pipeline stages cost more than they hide, and without it each program waited on every tile's loads), and the first
+    tile's, with the norm weights, before the program waits for S~ (`_await_inputs`): they overlap the mixing launch.
+    The caller wrote them before that launch started (`block_output`)."""
     qw = _norm_weight(qw_ptr, d, mask_d, NORM_Q)
     if OUT_NORM:
         gain = tl.load(gain_ptr + e, mask=mask_e, other=0.0).to(tl.float32)
     if PREFETCH:  # the next tile's rows and loads, carried over the loop
         n_next, x_next = _ranks_tile(q_ptr, r0 + tl.arange(0, BLOCK_N), r1, t0, h0, w0, lh, lw, H, W, START, sqn, d,
                                      mask_d, STREAM)
+        _await_inputs(PDL)
+    mat = tl.load(s_ptr + (base * D + d[:, None]) * DV + e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    mat = mat.to(DOT)
+    zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
@@ -359,7 +366,8 @@ def _output_kernel(
     OUT_NORM: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, STREAM: tl.constexpr, PREFETCH: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    _await_inputs(PDL)
+    if not PREFETCH:  # with it, the program waits once its first q tile's loads are issued (`_block_outputs`)
+        _await_inputs(PDL)
     bh, pid_t, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     vt = pid_t % DV_TILES
     b, h = bh // heads, bh % heads
@@ -371,13 +379,10 @@ def _output_kernel(
     d = tl.arange(0, BLOCK_D)
     e = vt * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_d, mask_e = d < D, e < DV
-    base = _state_row(m, bh)
-    mat = tl.load(s_ptr + (base * D + d[:, None]) * DV + e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-    mat = mat.to(DOT)
-    zt = tl.load(z_ptr + base * D + d, mask=mask_d, other=0.0)
-    _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, qs_ptr + b * N, qw_ptr + h * D, gain_ptr + h * DV, sqn, scn, scd,
-                   son, mat, zt, eps, out_eps, t0, h0, w0, lh, lw, r0, r1, H, W, START, d, mask_d, e, mask_e, DV,
-                   BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, NORM_Q, OUT_NORM, DOT, PRECISION, STREAM, PREFETCH)
+    _block_outputs(q_ptr, o_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, _state_row(m, bh), qs_ptr + b * N, qw_ptr + h * D,
+                   gain_ptr + h * DV, sqn, scn, scd, son, eps, out_eps, t0, h0, w0, lh, lw, r0, r1, H, W, START, d,
+                   mask_d, e, mask_e, D, DV, BLOCK_N, BLOCK_D, ELU, ROPE, NORMALIZE, NORM_Q, OUT_NORM, DOT, PRECISION,
+                   STREAM, PREFETCH, PDL)
 
 
 @triton.jit
@@ -710,9 +715,13 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # rows carried over the loop, session 52: 480p forward 1-1.5 % lower than working them out twice; two programs an SM).
 # H100, session 51 (`--versus mhla.CONFIG.output.prefetch=True`, fwd / f+b): Wan2.1-1.3B 480p (3, 4, 5) 0.928 / 0.982,
 # at its 180 blocks 0.971 / 0.992, Wan2.1-14B 720p 0.942 / 0.986, SANA-1.6B 4K 0.989 / 0.992; DiT-XL/2 at 512 px 1.036
-# / 1.005 and 1024 px 1.015 / 1.003 (SHORT_CONFIG leaves it off); capped at 168 registers, on 8 warps or on 32-token
-# tiles no faster. The same in the summary launch (k and v ahead, on 1, 2 or 4 stages): forward 1.00-1.05x, f+b
-# 1.02-1.13x; not kept.
+# / 1.005 and 1024 px 1.015 / 1.003 (then left off there); capped at 168 registers, on 8 warps or on 32-token tiles no
+# faster. The same in the summary launch (k and v ahead, on 1, 2 or 4 stages): forward 1.00-1.05x, f+b 1.02-1.13x; not
+# kept. Since session 60 the first tile's loads are issued before the program waits for the mixing launch (PDL), and
+# before S~'s (they were after), and short blocks take it too: H100, `--in-layer --versus`, fwd / f+b over the launch
+# without it: DiT-XL/2 384 px (one 32-token tile a block) 0.872 / 0.959 and 0.840 / 0.970 (two calls), 512 px 0.971 /
+# 1.007 and 0.995 / 0.986, 1024 px 1.019 / 0.993, SANA-1.6B 1K 0.951 / 1.000; q ahead of S~ but after the wait: 0.930
+# at 384 px (BENCHMARKS.md, session 60).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128,
                 "narrow_warps": {32: 2, 64: 4}, "keep": "evict_last"},
@@ -745,10 +754,10 @@ ROPE_CONFIG = {"summary": {}, "output": {"prefetch": False}, "grad": {"num_warps
 # overrides (summary 64-token tiles and 2 stages, output 16-token tiles and 4 warps, grad 32-token tiles) -> these:
 # DiT-XL/2 512 px 0.0229 / 0.1118 -> 0.0209 / 0.1049, 1024 px 0.0549 / 0.2261 -> 0.0517 / 0.2006, SANA-1.6B 1K 0.0269 /
 # 0.1111 -> 0.0254 / 0.1059; the grad kernels keep CONFIG's settings (BENCHMARKS.md, session 39). The summaries keep 3
-# pipeline stages where CONFIG's went to 4 (session 48: at 1024 px 4 stages were 1.023x). The output launch loads no
-# tile ahead (CONFIG's "prefetch": a block is one or two tiles; session 51, DiT-XL/2 512 px forward 1.036x with it).
+# pipeline stages where CONFIG's went to 4 (session 48: at 1024 px 4 stages were 1.023x). The output launch loads q a
+# tile ahead here too since session 60 (CONFIG's "prefetch": its first tile overlaps the mixing launch).
 SHORT_BLOCK = 128
-SHORT_CONFIG = {"summary": {"num_warps": 4, "num_stages": 3}, "output": {"prefetch": False}}
+SHORT_CONFIG = {"summary": {"num_warps": 4, "num_stages": 3}}
 # Over SHORT_CONFIG for blocks of at most SHORTEST_BLOCK tokens (DiT-XL/2 and PixArt at 512 px, SANA 1K: 42): the
 # summaries on 16-token tiles and 4 warps. H200, 2026-12-05, session 38 (`tune.py --sweep short`, fwd / f+b ms, against
 # SHORT_CONFIG's): DiT-XL/2 512 px 0.0426 / 0.1730 -> 0.0372 / 0.1602, SANA-1.6B 1K 0.0371 / 0.1323 -> 0.0280 / 0.1125;
@@ -901,7 +910,9 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
                  q_norm=None, out_norm=None):
     """o = rope(phi(q)) S~_b [/ (phi(q) . z~_b + eps)], written in raster order. q_norm: (rstd, weight), q RMSNormed
     across heads on the way; out_norm: (gain (heads, Dv), eps), each head's o RMSNormed and scaled by its gain
-    (only where `fuses_output_norm`)."""
+    (only where `fuses_output_norm`). Launched right after the launch that wrote S~ and z~ (`output_forward`): under
+    PDL its programs load their first q tile, q_norm's weight and the gain before they wait for that launch, so
+    those were written before it started."""
     block_d, block_dv, dv_tiles = _full_d_tiles(g.D, g.DV)
     if out_norm is not None and dv_tiles > 1:
         raise ValueError(f"the output kernel tiles Dv = {g.DV} (D = {g.D}) and cannot apply the output norm")

@@ -163,7 +163,7 @@ def sweep(kind: str, shapes=None) -> dict:
         raise ValueError(f"no shape among {shapes} has blocks of <= {mhla.SHORT_BLOCK} tokens: SHORT_CONFIG would not "
                          "apply; pick short shapes (dit512, dit1024, sana1k)")
     winners = {kernel: dict(table.get(kernel, {})) for kernel in candidates}
-    # an entry's settings that no candidate sets (the output's "prefetch": False) are kept under every candidate
+    # an entry's settings that no candidate sets (the summaries' "num_stages") are kept under every candidate
     kept = {kernel: {key: value for key, value in winners[kernel].items() if not any(key in c for c in options)}
             for kernel, options in candidates.items()}
     try:

@@ -373,8 +373,9 @@ def overriding(cfg: dict, **values):
 
 def output_prefetch_case():
     """The output launch walking 16 token tiles a program (two 256-token blocks, one program each), with the next
-    tile's q loads issued ahead (`CONFIG["output"]["prefetch"]`: long blocks without RoPE) and without (short blocks,
-    RoPE): the op's output and gradients against fp64, normalized with elu and unnormalized with relu."""
+    tile's q loads issued ahead (`CONFIG["output"]["prefetch"]`: without RoPE; the first tile's before the wait for the
+    mixing launch, which the interpreter does not have) and without (RoPE): the op's output and gradients against
+    fp64, normalized with elu and unnormalized with relu."""
     errors = {}
     for prefetch in (True, False):
         with overriding(mhla.CONFIG["output"], prefetch=prefetch, block_n=16, programs=1):
