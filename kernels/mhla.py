@@ -56,10 +56,12 @@ MAX_TILE_AREA = 128 * 128
 @triton.jit
 def _await_inputs(PDL: tl.constexpr):
     """With PDL (the kernel launched as a programmatic dependent launch, `compiled.launch`): wait here, before any
-    load or store, until the kernel before it in the stream has finished and its writes are visible. The launch then
-    starts while that kernel's last programs run, instead of after it completes; every kernel so launched waits
-    first, so a kernel two launches back has finished too. PDL 2: then let the next launch start once every program
-    of this one has got here, rather than once they have exited (its programs wait in turn; `compiled.CONFIG`)."""
+    store and any load of what the kernel before it in the stream may write, until that kernel has finished and its
+    writes are visible. The launch then starts while that kernel's last programs run, instead of after it completes.
+    PDL 2: then let the next launch start once every program of this one has got here, rather than once they have
+    exited (its programs wait in turn; `compiled.CONFIG`). No kernel lets the next start before its own wait, so when
+    a launch starts, every launch before the one just ahead of it has finished: what they wrote (and what was written
+    before them) a kernel may load before it waits (the EARLY flags, the output launch's first q tile)."""
     if PDL:
         gdc_wait()
     if PDL > 1:
@@ -397,6 +399,13 @@ def _clear(ptr, count, first):
 
 
 @triton.jit
+def _grad_summary(mat_rows, vec_ptr, d, mask_d, e0, DV: tl.constexpr, DOT: tl.constexpr):
+    """The grad kernel's first (D x Dv-tile) tile of its block's summary, as the dot operand, and the block's vector."""
+    mat0 = tl.load(mat_rows + e0[None, :], mask=mask_d[:, None] & (e0 < DV)[None, :], other=0.0).to(DOT)
+    return mat0, tl.load(vec_ptr + d, mask=mask_d, other=0.0)
+
+
+@triton.jit
 def _grad_kernel(
     x_ptr, y_ptr, cos_ptr, sin_ptr, mat_ptr, vec_ptr, dx_ptr, dy_ptr, rden_ptr, c_ptr, ds_ptr, dz_ptr, clear_ptr,
     sxb, sxn, sxh, syb, syn, syh, scb, scn, sch, scd, sdxb, sdxn, sdxh, sdyb, sdyn, sdyh,
@@ -404,14 +413,15 @@ def _grad_kernel(
     HEAD_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DV_TILES: tl.constexpr, ELU: tl.constexpr, ROPE: tl.constexpr, STATS: tl.constexpr, USE_VEC: tl.constexpr,
     WITH_DY: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, SUMMARIZE: tl.constexpr = False,
-    CLEAR: tl.constexpr = False, PDL: tl.constexpr = 0,
+    CLEAR: tl.constexpr = False, EARLY_X: tl.constexpr = False, EARLY_Y: tl.constexpr = False,
+    EARLY_MAT: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """With CLEAR, the first program also zeroes the clear_count fp32 values at clear_ptr (`_clear`): the backward's
-    dmix, which the mixing launch after this one adds into (`output_backward`)."""
-    _await_inputs(PDL)
+    dmix, which the mixing launch after this one adds into (`output_backward`).
+    EARLY_X, EARLY_Y, EARLY_MAT (only where each program walks one token tile): the program loads its x tile, its
+    first y tile, or mat's first tile and vec before it waits for the launch ahead (`_await_inputs`), so they overlap
+    that launch: the launcher says which were complete before that launch started (`block_grad(early=)`)."""
     bh, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if CLEAR:
-        _clear(clear_ptr, clear_count, (bh == 0) & (pid_m == 0) & (pid_s == 0))
     b, h = bh // heads, bh % heads
     m, t0, h0, w0, lh, lw, r0, r1 = _block_tokens(pid_m, pid_s, TOK, N, T, H, W, NBT, NBH, NBW, START, M0)
     x_ptr = _head(x_ptr, b, h, sxb, sxh, HEAD_ALIGN)
@@ -425,14 +435,29 @@ def _grad_kernel(
     base = _state_row(m, bh)
     mat_rows = mat_ptr + (base * D + d[:, None]) * DV
     e0 = tl.arange(0, BLOCK_DV)
-    mat0 = tl.load(mat_rows + e0[None, :], mask=mask_d[:, None] & (e0 < DV)[None, :], other=0.0).to(DOT)
-    vec = tl.load(vec_ptr + base * D + d, mask=mask_d, other=0.0)
+    n0 = _raster(r0 + tl.arange(0, BLOCK_N), t0, h0, w0, lh, lw, H, W, START)  # the first tile's rows
+    mask_n0 = r0 + tl.arange(0, BLOCK_N) < r1
+    if EARLY_X:
+        x0 = _tile(x_ptr, n0, sxn, mask_n0, d, 1, mask_d, 0.0, "")
+    if EARLY_Y:
+        y0 = _load_rows(y_ptr, n0, syn, mask_n0, e0, e0 < DV)
+    if EARLY_MAT:
+        mat0, vec = _grad_summary(mat_rows, vec_ptr + base * D, d, mask_d, e0, DV, DOT)
+    _await_inputs(PDL)
+    if CLEAR:
+        _clear(clear_ptr, clear_count, (bh == 0) & (pid_m == 0) & (pid_s == 0))
+    if not EARLY_MAT:
+        mat0, vec = _grad_summary(mat_rows, vec_ptr + base * D, d, mask_d, e0, DV, DOT)
     for r in range(r0, r1, BLOCK_N):
         rr = r + tl.arange(0, BLOCK_N)
         mask_n = rr < r1
         n = _raster(rr, t0, h0, w0, lh, lw, H, W, START)
-        fx, rx = _features(x_ptr, sxn, cos_ptr, sin_ptr, scn, scd, x_ptr, vec, n, mask_n, d, mask_d, BLOCK_N,
-                           BLOCK_D, ELU, ROPE, False)  # no norm: the x_ptr and vec stand-ins go unused
+        if EARLY_X:  # the program's one tile
+            x = x0
+        else:
+            x = _tile(x_ptr, n, sxn, mask_n, d, 1, mask_d, 0.0, "")
+        fx, rx = _tile_features(x, cos_ptr, sin_ptr, scn, scd, x_ptr, vec, n, mask_n, d, mask_d, BLOCK_N, BLOCK_D,
+                                ELU, ROPE, False)  # no norm: the x_ptr and vec stand-ins go unused
         p = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         if STATS:
             rden = 1.0 / (tl.sum(fx * vec[None, :], axis=1) + eps)
@@ -443,7 +468,10 @@ def _grad_kernel(
                 mat = mat0
             else:
                 mat = tl.load(mat_rows + e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0).to(DOT)
-            y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
+            if EARLY_Y and j == 0:
+                y = y0
+            else:
+                y = _load_rows(y_ptr, n, syn, mask_n, e, mask_e)
             p += tl.dot(y.to(DOT), tl.trans(mat), input_precision=PRECISION)
             if WITH_DY:
                 dy = tl.dot(rx.to(DOT), mat, input_precision=PRECISION)
@@ -728,7 +756,7 @@ CONFIG = {
     "output": {"block_n": 64, "num_warps": 4, "num_stages": 1, "programs": 512, "maxnreg": None, "fit_block": True,
                "narrow_warps": {32: 2}, "stream": "evict_first", "prefetch": True},
     "grad": {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs": 1024, "maxnreg": None, "summarize_up_to": 64,
-             "summarize_warps": 8, "summarize_wide_over": 64 * 64, "narrow_warps": {32: 2}},
+             "summarize_warps": 8, "summarize_wide_over": 64 * 64, "narrow_warps": {32: 2}, "early": True},
     "gram": {"block_k": 64, "num_stages": 3, "programs": 1024},
     "mix": {"block_m": 64, "block_f": 64, "max_blocks": 256, "programs": 264, "num_warps": 4, "num_stages": 4,
             "wide_over": 192, "wide": {"block_m": 128, "num_warps": 8}, "fold_up_to": 64, "gram_up_to": 64,
@@ -945,12 +973,14 @@ def block_output(q, mixed_s, mixed_z, rope, g: Geometry, *, elu: bool, normalize
 
 
 def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use_vec: bool, with_dy: bool, eps: float,
-               summarize: bool = False, clear: torch.Tensor | None = None):
+               summarize: bool = False, clear: torch.Tensor | None = None, early: tuple[str, ...] = ()):
     """dx (and dy) of one side; with `stats`, also the per-token 1/den and c of the q side. With `summarize`, where
     each block fits one token tile (`summarizes`), also the q side's summaries as `block_summaries(x, y, rope, g,
     with_z=stats, y_scale=rden, z_weight=c)` makes them, from the x and y tiles this launch holds: one launch and one
     read of q and dO fewer in a short sequence's backward. `clear`: an fp32 buffer the launch zeroes on the way (the
-    Gram a later launch adds dmix into: no fill launch of its own).
+    Gram a later launch adds dmix into: no fill launch of its own). `early`: which of "x", "y" and "mat" (with vec)
+    were complete before the launch ahead of this one started, so the kernel may load them before it waits for that
+    launch (`_grad_kernel`'s EARLY_*: where CONFIG["grad"]["early"] and each program walks one token tile).
 
     Returns (dx, dy or None, rden or None, c or None, (dS~, dz~) or None).
     """
@@ -972,13 +1002,15 @@ def block_grad(x, y, mat, vec, rope, g: Geometry, *, elu: bool, stats: bool, use
             summaries = (_summary_buffer((g.M, g.BH, g.D, g.DV), state_dtype(x.dtype), g, x.device, g.partial),
                          _summary_buffer((g.M, g.BH, g.D), torch.float32, g, x.device, g.partial or not stats))
         ds, dz = summaries or (dx, dx)
+        ahead = early if settings["early"] and min(tok, g.max_len) <= settings["block_n"] else ()
         compiled.launch(_grad_kernel, (g.BH, g.m_count, cdiv(g.max_len, tok)),
             x, y, cos, sin, mat, vec, dx, dy, rden, c, ds, dz, rden if clear is None else clear,
             x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *cs,
             dx.stride(0), dx.stride(1), dx.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
             g.heads, g.N, g.M, *g.args, *g.slice_args, g.D, g.DV, tok, eps, 0 if clear is None else clear.numel(),
             BLOCK_N=settings["block_n"], BLOCK_DV=settings["block_dv"], DV_TILES=cdiv(g.DV, settings["block_dv"]),
-            SUMMARIZE=summaries is not None, CLEAR=clear is not None, name="grad_keys" if with_dy else "grad_queries",
+            SUMMARIZE=summaries is not None, CLEAR=clear is not None, EARLY_X="x" in ahead, EARLY_Y="y" in ahead,
+            EARLY_MAT="mat" in ahead, name="grad_keys" if with_dy else "grad_queries",
             **flags, **grad_options(settings, summaries is not None, block_d),
         )
         return summaries
@@ -1181,9 +1213,12 @@ def summary_forward(k, v, rope, g: Geometry, *, elu: bool, normalize: bool, k_no
                            dtype=torch.float32 if g.partial else None, x_norm=k_norm)
 
 
-def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float):
-    """dk, dv from the gradients of the summaries (complete: summed over ranks, for a slice)."""
-    dk, dv, *_ = block_grad(k, v, ds, dz, rope, g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps)
+def summary_backward(ds, dz, k, v, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float,
+                     settled: bool = False):
+    """dk, dv from the gradients of the summaries (complete: summed over ranks, for a slice). `settled`: k and v were
+    complete before the launch ahead of this one started (`block_grad`'s `early`)."""
+    dk, dv, *_ = block_grad(k, v, ds, dz, rope, g, elu=elu, stats=False, use_vec=normalize, with_dy=True, eps=eps,
+                            early=("x", "y") if settled else ())
     return dk, dv
 
 
@@ -1211,9 +1246,12 @@ def output_forward(q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: boo
     return o, (mixed_s, mixed_z)
 
 
-def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, mixed=None):
+def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize: bool, eps: float, mixed=None,
+                    settled: bool = False):
     """dq, dmix and the gradients (dS, dz) of the summaries; for a slice, dmix, dS and dz are its queries' share.
-    `mixed`: the forward's (S~, z~ or None), or None to mix them again."""
+    `mixed`: the forward's (S~, z~ or None), or None to mix them again. `settled`: q and `mixed` were complete before
+    the launch ahead of this call's first launch started, so the q-side grad launch may read them before it waits
+    (`block_grad`'s `early`; not S~ mixed here, by the launch just ahead of it)."""
     # unnormalized: z (zeros) and dz~ only stand in for the kernels' unused normalizer vectors, and are not mixed
     mixed_s, mixed_z = mixed or mix_summaries(mix, s, z if normalize else None, q.dtype)
     # the Gram the mixing launch adds dmix into, zeroed by the q-side grad launch: a fill launch fewer (H100, session
@@ -1221,7 +1259,7 @@ def output_backward(do, q, mix, s, z, rope, g: Geometry, *, elu: bool, normalize
     gram = torch.empty((g.M, g.M), device=q.device, dtype=torch.float32) if _gram_in_mix(mixed_s) else None
     dq, _, rden, c, summaries = block_grad(q, do, mixed_s, z if mixed_z is None else mixed_z, rope, g, elu=elu,
                                            stats=normalize, use_vec=normalize, with_dy=False, eps=eps, summarize=True,
-                                           clear=gram)
+                                           clear=gram, early=(("x", "mat") if mixed else ("x",)) if settled else ())
     ds_mixed, dz_mixed = summaries or block_summaries(q, do, rope, g, elu=elu, with_z=normalize, y_scale=rden,
                                                       z_weight=c)
     ds, dz, dmix = mix_back(mix, ds_mixed, dz_mixed if normalize else None, s, z if normalize else None, q.dtype,

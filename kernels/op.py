@@ -67,6 +67,13 @@ def _rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float):
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose memory the kernels can be launched on
 
 
+def _eager(tensors) -> bool:
+    """Whether a call on `tensors` runs as its caller makes it: not traced by torch.compile (nor by AOTAutograd, on
+    fake and functional tensors that releases before torch 2.14 may not mark as compiling), on plain tensors. Its
+    launches then come in the caller's order, after those that made its inputs: what the ops' `settled` flags say."""
+    return not torch.compiler.is_compiling() and all(type(t) in PLAIN for t in tensors)
+
+
 def _records_grad(tensors) -> bool:
     """Whether autograd records a call on `tensors`."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -115,7 +122,7 @@ def _call(op, *args):
     1K 620 -> 436 (the op's GPU time: 21 and 27 us); forward+backward 3251 -> 2771 and 2949 -> 2868 (the forward's
     ops still custom ops then)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if torch.compiler.is_compiling() or any(type(t) not in PLAIN for t in tensors):
+    if not _eager(tensors):
         return op(*args)
     if _records_grad(tensors):  # the backward ops have no backward: double backward gets torch's own refusal
         return _Recorded.apply(op, *args) if hasattr(op, "autograd") else op(*args)
@@ -146,13 +153,16 @@ def _(k, v, cos, sin, k_weight, qk_eps, geometry, *options):
 
 @_op("mhla_summaries_bwd")
 def mhla_summaries_bwd(
-    ds: torch.Tensor, dz: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    ds: torch.Tensor, dz: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settled: bool,
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv). settled: k and v were complete before the launch ahead of this op's first launch started (an eager
+    backward: the forward made them), so the kernel may read them before it waits for that launch."""
     g, kw = _decode(k, v, geometry, normalize, eps, feature)
+    settled = settled and all(t.stride(-1) == 1 for t in (k, v))  # a copy made here is the launch just ahead
     k, v = (_inner_contiguous(t) for t in (k, v))
-    return mhla.summary_backward(ds, dz, k, v, _pair(cos, sin), g, **kw)
+    return mhla.summary_backward(ds, dz, k, v, _pair(cos, sin), g, **kw, settled=settled)
 
 
 @mhla_summaries_bwd.register_fake
@@ -189,15 +199,18 @@ def _(q, mix, mix_logits, s, z, cos, sin, q_weight, qk_eps, out_gain, out_eps, g
 @_op("mhla_output_bwd")
 def mhla_output_bwd(
     do: torch.Tensor, q: torch.Tensor, mix: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
-    mixed_s: Optional[torch.Tensor], mixed_z: Optional[torch.Tensor],
+    mixed_s: Optional[torch.Tensor], mixed_z: Optional[torch.Tensor], settled: bool,
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dmix, dS, dz); mixed_s, mixed_z: the forward's S~ and z~ (`mhla.keeps_mixed`), or None to mix again."""
+    """(dq, dmix, dS, dz); mixed_s, mixed_z: the forward's S~ and z~ (`mhla.keeps_mixed`), or None to mix again.
+    settled: q, S~ and z~ were complete before the launch ahead of this op's first launch started (an eager backward:
+    the forward made them), so the q-side kernel may read them before it waits for that launch."""
     g, kw = _decode(q, s, geometry, normalize, eps, feature)
+    settled = settled and q.stride(-1) == 1  # a copy made here is the launch just ahead
     do, q = (_inner_contiguous(t) for t in (do.to(q.dtype), q))
     mixed = None if mixed_s is None else (mixed_s, mixed_z if normalize else None)
-    return mhla.output_backward(do, q, mix, s, z, _pair(cos, sin), g, **kw, mixed=mixed)
+    return mhla.output_backward(do, q, mix, s, z, _pair(cos, sin), g, **kw, mixed=mixed, settled=settled)
 
 
 @mhla_output_bwd.register_fake
@@ -281,7 +294,7 @@ def _save_summaries_inputs(ctx, inputs, output):
 
 def _summaries_backward(ctx, ds, dz):
     k, v, cos, sin = ctx.saved_tensors
-    dk, dv = _call(mhla_summaries_bwd, ds, dz, k, v, cos, sin, *ctx.options)
+    dk, dv = _call(mhla_summaries_bwd, ds, dz, k, v, _eager((ds, dz, k, v)), cos, sin, *ctx.options)
     return dk, dv, None, None, None, None, *(None for _ in ctx.options)
 
 
@@ -297,7 +310,8 @@ def _save_output_inputs(ctx, inputs, output):
 def _output_backward(ctx, do, *_):
     q, mix, s, z, mixed_s, mixed_z, cos, sin = ctx.saved_tensors
     matrix = mixing_matrix(mix, ctx.mix_logits)
-    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, matrix, s, z, mixed_s, mixed_z, cos, sin, *ctx.options)
+    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, matrix, s, z, mixed_s, mixed_z, _eager((do, q, matrix, s, z)),
+                             cos, sin, *ctx.options)
     return (dq, _mix_grad(dmix, matrix, mix, ctx.mix_logits), None, ds, dz, None, None, None, None, None, None,
             *(None for _ in ctx.options))
 

@@ -221,6 +221,32 @@ def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
             assert (trigger > wait) == (pdl > 1) and (trigger >= 0) == (pdl > 1), (kernel.__name__, pdl)
 
 
+def test_launches_reading_inputs_early_load_only_those_before_they_wait():
+    """`_grad_kernel`'s EARLY_X, EARLY_Y and EARLY_MAT, compiled for sm_90 with PDL on at DiT's heads: before
+    `griddepcontrol.wait` the kernel issues global loads only (no store, atomic or async copy: the q-side launch's
+    clearing of dmix stays after it), exactly the 16-byte loads of the x tile and of the first y tile the flags name
+    (bf16, 64 x 128), and at least those of mat's first (128 x 128) tile with EARLY_MAT."""
+    import re
+
+    from mhla_diffusion.kernels import resources
+
+    memory = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+
+    def early(name, **flags):
+        kernel, entry, constexprs, *rest = resources.KERNELS[name]
+        ptx = resources.compile_row((kernel, entry, {**constexprs, "PDL": 1, **flags}, *rest)).asm["ptx"]
+        return [m.group() for m in memory.finditer(ptx, 0, ptx.find("griddepcontrol.wait"))]
+
+    def tile_loads(rows, cols, warps):
+        return rows * cols * 2 // (warps * 32 * 16)
+
+    # the k side on 4 warps; the q side, which also makes dO's summaries, on 8 (`mhla.grad_options`)
+    assert early("grad dk dv d72", EARLY_X=True, EARLY_Y=True) == ["ld.global"] * 2 * tile_loads(64, 128, 4)
+    assert early("grad dq d72, summaries", EARLY_X=True) == ["ld.global"] * tile_loads(64, 128, 8)
+    with_mat = early("grad dq d72, summaries", EARLY_X=True, EARLY_MAT=True)
+    assert set(with_mat) == {"ld.global"} and len(with_mat) >= tile_loads(64, 128, 8) + tile_loads(128, 128, 8)
+
+
 def test_head_tiles_cover_a_head_in_one_or_two_tensor_core_tiles_with_the_least_padding():
     """`sizes.head_tiles` (the quadratic form's split heads): every head of 1 to 256 features is covered by a power of
     two of at least 16 columns, or by two such tiles where they pad fewer columns than one, the first wholly inside the
@@ -1268,6 +1294,60 @@ def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_laun
     assert parse("compiled.CONFIG.trigger_dependents=('mix_back', 'grad_queries')")[2] == ("mix_back", "grad_queries")
     with pytest.raises(ValueError, match="names kernels of"):
         parse("compiled.CONFIG.trigger_dependents=('mix_backward',)")
+
+
+EARLY_FLAGS = ("EARLY_X", "EARLY_Y", "EARLY_MAT")
+
+
+@pytest.mark.parametrize(("blocks", "settings", "compiled_graph", "early"), [
+    ("auto", [], False, {"grad_queries": {"EARLY_X", "EARLY_MAT"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
+    ("auto", [], True, {}),
+    ((1, 2, 2), [], False, {"grad_queries": {"EARLY_X", "EARLY_MAT"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
+    ((1, 2, 2), ["mhla.CONFIG.mix.keep_up_to=0", "mhla.CONFIG.mix.keep_within_v=False"], False,
+     {"grad_queries": {"EARLY_X"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
+    ((1, 2, 2), ["mhla.CONFIG.grad.programs=16"], False, {}),
+], ids=["eager, 42-token blocks", "torch.compile", "eager, 256-token blocks, one tile a grad program",
+        "eager, S~ mixed again in the backward", "eager, 4 tiles a grad program"])
+def test_launches_read_inputs_before_they_wait_only_where_the_launch_ahead_did_not_write_them(
+        blocks, settings, compiled_graph, early, monkeypatch):
+    """Under PDL a launch starts once the launch ahead of it has passed its own wait, so what was complete before that
+    launch started may be read early. The op's forward+backward through `mhla_attention` (bf16, DiT's heads, 1,024
+    tokens; the kernels are recorders, nothing runs) hands the grad launches the EARLY flags of the inputs they may
+    so read, and no others:
+    - eager, where each grad program walks one token tile: the q-side launch q, and S~ and z~ where the forward kept
+      them (not where the backward mixes them again, `mhla.keeps_mixed`: the launch just ahead makes them then), not
+      dO (the launch just ahead makes it); the k-side one k and v, not dS and dz (the mix^T launch just ahead makes
+      them);
+    - under torch.compile, whose launches inductor orders (it may recompute q or k just ahead), none;
+    - where each grad program walks several tiles, none.
+    `CONFIG["grad"]["early"]` off, none either."""
+    from mhla_diffusion.blocks import resolve_blocks
+    from mhla_diffusion.kernels import compiled
+    from mhla_diffusion.kernels.overrides import overridden
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _record_launches(monkeypatch)
+    seen, launch = [], compiled.launch
+    monkeypatch.setattr(compiled, "launch", lambda kernel, grid, *a, name="", **kw: seen.append(
+        (name, {flag for flag in EARLY_FLAGS if kw.get(flag)})) or launch(kernel, grid, *a, **kw))
+    grid = (1, 32, 32)
+    blocks = resolve_blocks(grid, blocks)
+    q, k, v = (torch.randn(1, math.prod(grid), 16, 72, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mix = locality_mix(blocks).requires_grad_()
+
+    def step(q, k, v, mix):
+        mhla_attention(q, k, v, mix, grid, blocks, backend="triton").sum().backward()
+
+    torch._dynamo.reset()
+    run = torch.compile(step, backend="aot_eager") if compiled_graph else step
+    with overridden(settings):
+        run(q, k, v, mix)
+    assert [(name, flags) for name, flags in seen if flags] == list(early.items())  # in launch order
+    assert len(seen) >= 6
+    seen.clear()
+    with overridden(["mhla.CONFIG.grad.early=False"]):
+        step(q, k, v, mix)
+    assert seen and not any(flags for _, flags in seen)
 
 
 @pytest.mark.parametrize(("dtype", "side", "blocks", "grad", "reader", "in_kernel"), [
