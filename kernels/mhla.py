@@ -749,7 +749,10 @@ def _rope_args(rope, g: Geometry, like: torch.Tensor):
 # before S~'s (they were after), and short blocks take it too: H100, `--in-layer --versus`, fwd / f+b over the launch
 # without it: DiT-XL/2 384 px (one 32-token tile a block) 0.872 / 0.959 and 0.840 / 0.970 (two calls), 512 px 0.971 /
 # 1.007 and 0.995 / 0.986, 1024 px 1.019 / 0.993, SANA-1.6B 1K 0.951 / 1.000; q ahead of S~ but after the wait: 0.930
-# at 384 px (BENCHMARKS.md, session 60).
+# at 384 px (BENCHMARKS.md, session 60). The grad launches' "early" (since session 61): where each program walks one token
+# tile, the operands the launch ahead did not write (`block_grad`'s `early`) are loaded before the wait; f+b over the
+# launches without it, between a layer's projections: H100, DiT-XL/2 384 px 0.955, 512 px 0.961, SANA-1.6B 1K 0.947;
+# H200 0.947, 0.973, 0.979; alone level at 1024 px and Wan2.1-1.3B 480p (BENCHMARKS.md, session 61).
 CONFIG = {
     "summary": {"block_n": 32, "num_warps": 8, "num_stages": 4, "programs": 256, "max_dv": 128, "maxnreg": 128,
                 "narrow_warps": {32: 2, 64: 4}, "keep": "evict_last"},
