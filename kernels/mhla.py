@@ -59,9 +59,12 @@ def _await_inputs(PDL: tl.constexpr):
     store and any load of what the kernel before it in the stream may write, until that kernel has finished and its
     writes are visible. The launch then starts while that kernel's last programs run, instead of after it completes.
     PDL 2: then let the next launch start once every program of this one has got here, rather than once they have
-    exited (its programs wait in turn; `compiled.CONFIG`). No kernel lets the next start before its own wait, so when
-    a launch starts, every launch before the one just ahead of it has finished: what they wrote (and what was written
-    before them) a kernel may load before it waits (the EARLY flags, the output launch's first q tile)."""
+    exited (its programs wait in turn; `compiled.CONFIG`). None of these kernels lets the next start before its own
+    wait, and a launch that is not programmatic (PyTorch's, cuBLAS', a copy, an event) starts only once the one ahead
+    has finished, so when a launch starts, every launch before the one just ahead of it has finished: what they wrote
+    (and what was written before them) a kernel may load before it waits (the EARLY flags, the output launch's first q
+    tile). A foreign programmatic kernel that let the next start before its own wait would break this; none runs
+    between the op's launches."""
     if PDL:
         gdc_wait()
     if PDL > 1:

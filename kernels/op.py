@@ -74,6 +74,13 @@ def _eager(tensors) -> bool:
     return not torch.compiler.is_compiling() and all(type(t) in PLAIN for t in tensors)
 
 
+def _saved_as_is() -> bool:
+    """Whether what an op saves for its backward comes back as it was saved: no saved-tensor hooks in force
+    (`torch.autograd.graph.saved_tensors_hooks`: offloading, compression, non-reentrant checkpointing), which may
+    remake it in the backward by the launch just ahead of the op's own (so not `settled` there)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def _records_grad(tensors) -> bool:
     """Whether autograd records a call on `tensors`."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -158,7 +165,8 @@ def mhla_summaries_bwd(
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv). settled: k and v were complete before the launch ahead of this op's first launch started (an eager
-    backward: the forward made them), so the kernel may read them before it waits for that launch."""
+    backward without saved-tensor hooks: the forward made them), so the kernel may read them before it waits for that
+    launch."""
     g, kw = _decode(k, v, geometry, normalize, eps, feature)
     settled = settled and all(t.stride(-1) == 1 for t in (k, v))  # a copy made here is the launch just ahead
     k, v = (_inner_contiguous(t) for t in (k, v))
@@ -204,8 +212,9 @@ def mhla_output_bwd(
     geometry: list[int], normalize: bool, eps: float, feature: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dmix, dS, dz); mixed_s, mixed_z: the forward's S~ and z~ (`mhla.keeps_mixed`), or None to mix again.
-    settled: q, S~ and z~ were complete before the launch ahead of this op's first launch started (an eager backward:
-    the forward made them), so the q-side kernel may read them before it waits for that launch."""
+    settled: q, S~ and z~ were complete before the launch ahead of this op's first launch started (an eager backward
+    without saved-tensor hooks: the forward made them), so the q-side kernel may read them before it waits for that
+    launch."""
     g, kw = _decode(q, s, geometry, normalize, eps, feature)
     settled = settled and q.stride(-1) == 1  # a copy made here is the launch just ahead
     do, q = (_inner_contiguous(t) for t in (do.to(q.dtype), q))
@@ -289,12 +298,14 @@ def _save_summaries_inputs(ctx, inputs, output):
     k, v, cos, sin, k_weight, _, *options = inputs
     _forward_only(k_weight)
     ctx.save_for_backward(k, v, cos, sin)
+    ctx.saved_as_is = _saved_as_is()
     ctx.options = options
 
 
 def _summaries_backward(ctx, ds, dz):
     k, v, cos, sin = ctx.saved_tensors
-    dk, dv = _call(mhla_summaries_bwd, ds, dz, k, v, _eager((ds, dz, k, v)), cos, sin, *ctx.options)
+    dk, dv = _call(mhla_summaries_bwd, ds, dz, k, v, ctx.saved_as_is and _eager((ds, dz, k, v)), cos, sin,
+                   *ctx.options)
     return dk, dv, None, None, None, None, *(None for _ in ctx.options)
 
 
@@ -304,14 +315,15 @@ def _save_output_inputs(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zeros made for S~ and z~, which nothing differentiates
     mixed = output[1:] if mhla.keeps_mixed(s.shape[0], q.shape[1], q.shape[-1]) else (None, None)
     ctx.save_for_backward(q, mix, s, z, *mixed, cos, sin)
+    ctx.saved_as_is = _saved_as_is()
     ctx.options = options
 
 
 def _output_backward(ctx, do, *_):
     q, mix, s, z, mixed_s, mixed_z, cos, sin = ctx.saved_tensors
     matrix = mixing_matrix(mix, ctx.mix_logits)
-    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, matrix, s, z, mixed_s, mixed_z, _eager((do, q, matrix, s, z)),
-                             cos, sin, *ctx.options)
+    dq, dmix, ds, dz = _call(mhla_output_bwd, do, q, matrix, s, z, mixed_s, mixed_z,
+                             ctx.saved_as_is and _eager((do, q, matrix, s, z)), cos, sin, *ctx.options)
     return (dq, _mix_grad(dmix, matrix, mix, ctx.mix_logits), None, ds, dz, None, None, None, None, None, None,
             *(None for _ in ctx.options))
 

@@ -5,6 +5,7 @@ subprocess (tests/kernels_interp.py) and each case here asserts on its reported 
 rest of the session keeps importing triton normally.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -1299,17 +1300,18 @@ def test_each_launch_of_the_op_names_itself_so_that_triggers_can_be_set_per_laun
 EARLY_FLAGS = ("EARLY_X", "EARLY_Y", "EARLY_MAT")
 
 
-@pytest.mark.parametrize(("blocks", "settings", "compiled_graph", "early"), [
-    ("auto", [], False, {"grad_queries": {"EARLY_X", "EARLY_MAT"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
-    ("auto", [], True, {}),
-    ((1, 2, 2), [], False, {"grad_queries": {"EARLY_X", "EARLY_MAT"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
-    ((1, 2, 2), ["mhla.CONFIG.mix.keep_up_to=0", "mhla.CONFIG.mix.keep_within_v=False"], False,
+@pytest.mark.parametrize(("blocks", "settings", "run", "early"), [
+    ("auto", [], "eager", {"grad_queries": {"EARLY_X", "EARLY_MAT"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
+    ("auto", [], "torch.compile", {}),
+    ("auto", [], "saved-tensor hooks", {}),
+    ((1, 2, 2), [], "eager", {"grad_queries": {"EARLY_X", "EARLY_MAT"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
+    ((1, 2, 2), ["mhla.CONFIG.mix.keep_up_to=0", "mhla.CONFIG.mix.keep_within_v=False"], "eager",
      {"grad_queries": {"EARLY_X"}, "grad_keys": {"EARLY_X", "EARLY_Y"}}),
-    ((1, 2, 2), ["mhla.CONFIG.grad.programs=16"], False, {}),
-], ids=["eager, 42-token blocks", "torch.compile", "eager, 256-token blocks, one tile a grad program",
-        "eager, S~ mixed again in the backward", "eager, 4 tiles a grad program"])
+    ((1, 2, 2), ["mhla.CONFIG.grad.programs=16"], "eager", {}),
+], ids=["eager, 42-token blocks", "torch.compile", "saved-tensor hooks", "eager, 256-token blocks, one tile a grad "
+        "program", "eager, S~ mixed again in the backward", "eager, 4 tiles a grad program"])
 def test_launches_read_inputs_before_they_wait_only_where_the_launch_ahead_did_not_write_them(
-        blocks, settings, compiled_graph, early, monkeypatch):
+        blocks, settings, run, early, monkeypatch):
     """Under PDL a launch starts once the launch ahead of it has passed its own wait, so what was complete before that
     launch started may be read early. The op's forward+backward through `mhla_attention` (bf16, DiT's heads, 1,024
     tokens; the kernels are recorders, nothing runs) hands the grad launches the EARLY flags of the inputs they may
@@ -1319,6 +1321,8 @@ def test_launches_read_inputs_before_they_wait_only_where_the_launch_ahead_did_n
       dO (the launch just ahead makes it); the k-side one k and v, not dS and dz (the mix^T launch just ahead makes
       them);
     - under torch.compile, whose launches inductor orders (it may recompute q or k just ahead), none;
+    - under saved-tensor hooks (offloading, compression, non-reentrant checkpointing: their unpacking may remake what
+      the op saved by the launch just ahead), none;
     - where each grad program walks several tiles, none.
     `CONFIG["grad"]["early"]` off, none either."""
     from mhla_diffusion.blocks import resolve_blocks
@@ -1339,9 +1343,9 @@ def test_launches_read_inputs_before_they_wait_only_where_the_launch_ahead_did_n
         mhla_attention(q, k, v, mix, grid, blocks, backend="triton").sum().backward()
 
     torch._dynamo.reset()
-    run = torch.compile(step, backend="aot_eager") if compiled_graph else step
-    with overridden(settings):
-        run(q, k, v, mix)
+    hooks = torch.autograd.graph.saved_tensors_hooks(torch.clone, torch.clone)
+    with overridden(settings), hooks if run == "saved-tensor hooks" else contextlib.nullcontext():
+        (torch.compile(step, backend="aot_eager") if run == "torch.compile" else step)(q, k, v, mix)
     assert [(name, flags) for name, flags in seen if flags] == list(early.items())  # in launch order
     assert len(seen) >= 6
     seen.clear()
