@@ -187,9 +187,10 @@ def test_every_kernel_launched_dependent_waits_before_it_touches_memory():
     (the op's launches on sm_90 and later, `compiled.launch`), each of the op's kernels (`resources.KERNELS`'s, the
     Gram's and the norms' rstd) waits (`griddepcontrol.wait`) before its first global load, store, async copy or
     atomic, and with PDL 2 lets the next launch start (`griddepcontrol.launch_dependents`) after the wait; with PDL off
-    it holds neither. One exception: the output launch loading q a tile ahead issues its first q tile's loads, and
-    nothing else, before the wait (q was written before the mixing launch ahead of it started). CUDA-graph capture and
-    the timing are checked on the GPU (`bench op --check`, BENCHMARKS.md)."""
+    it holds neither. Exceptions: the output launch loading q a tile ahead issues its first q tile's loads, and
+    nothing else, before the wait (q was written before the mixing launch ahead of it started); the grad kernel's
+    EARLY flags, off here, are the next test's. CUDA-graph capture and the timing are checked on the GPU (`bench op
+    --check`, BENCHMARKS.md)."""
     import re
 
     from mhla_diffusion.kernels import mhla, resources
