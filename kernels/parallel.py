@@ -46,7 +46,12 @@ from .sizes import cdiv, head_tiles, pow2
 # - dq: 64 x 64 on 8 warps (15.5 at 256 tokens); dk, dv, dmix: 32 keys walking queries by 64 on 4 warps (26.7
 #   against 31.8 at 64 x 64 on 8); for heads of up to 32 features (SANA's) 64 keys (25.4 against 35.9 at SANA-1.6B
 #   512 px; 37.6 against 23.2 at DiT's 72). With gradients the form wins at 256 tokens only: at 576 the key kernel alone
-#   takes 142 us against the linear path's 147 for the whole forward+backward.
+#   takes 142 us against the linear path's 147 for the whole forward+backward. The key kernels on one pipeline stage
+#   (session 62, H100, `bench op --versus`, 7 rounds, f+b ms, 2 stages -> 1): DiT-XL/2 256 px 0.0337 -> 0.0317 (cuDNN
+#   0.0330), SANA-1.6B 512 px 0.0455 -> 0.0428; 3 stages 1.08x slower at 256 px; sm_90, DiT's heads: shared memory 59
+#   -> 33 KB, stack 128 -> 112 bytes. Not to be used: dq on one stage ("grad_queries" num_stages=1, level in time) made
+#   an illegal memory access in two of the four processes that ran it, both timing it beside other settings (H100,
+#   Triton 3.6; not reproduced alone).
 # Eager calls without gradients ("max_tokens_eager") are host-bound at these lengths: one launch against the linear
 # path's three, and less Python. H100, torch 2.11, session 41 (`.scratch/dev41.py H`), eager `mhla_attention`, us a
 # call, median of 6 rounds of 100: 1,024 tokens (DiT-XL/2 512 px) 476 -> 164, SANA-1.6B 1K 477 -> 179 (GPU time
@@ -69,8 +74,8 @@ CONFIG = {
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),
     "long_over": 256,
     "grad_queries": dict(own=64, walk=64, num_warps=8, num_stages=2),
-    "grad_keys": dict(own=32, walk=64, num_warps=4, num_stages=2),
-    "grad_keys_narrow": dict(own=64, walk=64, num_warps=4, num_stages=2),
+    "grad_keys": dict(own=32, walk=64, num_warps=4, num_stages=1),
+    "grad_keys_narrow": dict(own=64, walk=64, num_warps=4, num_stages=1),
     "narrow_up_to": 32,
     "max_tokens": 256,
     "max_tokens_eager": 1024,
