@@ -49,9 +49,11 @@ from .sizes import cdiv, head_tiles, pow2
 #   takes 142 us against the linear path's 147 for the whole forward+backward. The key kernels on one pipeline stage
 #   (session 62, H100, `bench op --versus`, 7 rounds, f+b ms, 2 stages -> 1): DiT-XL/2 256 px 0.0337 -> 0.0317 (cuDNN
 #   0.0330), SANA-1.6B 512 px 0.0455 -> 0.0428; 3 stages 1.08x slower at 256 px; sm_90, DiT's heads: shared memory 59
-#   -> 33 KB, stack 128 -> 112 bytes. Not to be used: dq on one stage ("grad_queries" num_stages=1, level in time) made
-#   an illegal memory access in two of the four processes that ran it, both timing it beside other settings (H100,
-#   Triton 3.6; not reproduced alone).
+#   -> 33 KB, stack 128 -> 112 bytes. Then dq (same calls' sweeps, f+b): walking keys by 128, 0.0318 -> 0.0310 at
+#   256 px but 1.03x slower at SANA's heads; 128 queries a program, 0.0434 -> 0.0405 at SANA 512 px (cuDNN 0.0383) but
+#   1.05x slower at DiT's, so heads of up to 32 features take "grad_queries_narrow". Not to be used: dq on one stage
+#   ("grad_queries" num_stages=1, level in time) made an illegal memory access in two of the four processes that ran
+#   it, both timing it beside other settings (H100, Triton 3.6; not reproduced alone).
 # Eager calls without gradients ("max_tokens_eager") are host-bound at these lengths: one launch against the linear
 # path's three, and less Python. H100, torch 2.11, session 41 (`.scratch/dev41.py H`), eager `mhla_attention`, us a
 # call, median of 6 rounds of 100: 1,024 tokens (DiT-XL/2 512 px) 476 -> 164, SANA-1.6B 1K 477 -> 179 (GPU time
@@ -73,7 +75,8 @@ CONFIG = {
     "forward": dict(own=64, walk=64, num_warps=8, num_stages=2),
     "forward_long": dict(own=128, walk=64, num_warps=8, num_stages=3),
     "long_over": 256,
-    "grad_queries": dict(own=64, walk=64, num_warps=8, num_stages=2),
+    "grad_queries": dict(own=64, walk=128, num_warps=8, num_stages=2),
+    "grad_queries_narrow": dict(own=128, walk=64, num_warps=8, num_stages=2),
     "grad_keys": dict(own=32, walk=64, num_warps=4, num_stages=1),
     "grad_keys_narrow": dict(own=64, walk=64, num_warps=4, num_stages=1),
     "narrow_up_to": 32,
@@ -366,8 +369,8 @@ def launch_settings(kernel: str, n: int, d: int) -> dict:
     d features (`CONFIG`)."""
     if kernel == "forward" and n > CONFIG["long_over"]:
         kernel = "forward_long"
-    if kernel == "grad_keys" and d <= CONFIG["narrow_up_to"]:
-        kernel = "grad_keys_narrow"
+    if kernel in ("grad_queries", "grad_keys") and d <= CONFIG["narrow_up_to"]:
+        kernel += "_narrow"
     cfg = CONFIG[kernel]
     return dict(OWN=cfg["own"], WALK=cfg["walk"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 

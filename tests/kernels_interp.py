@@ -457,8 +457,8 @@ SIXTEEN = dict(own=16, walk=16, num_warps=4, num_stages=2)
 # as 32 + 16); every kernel on 16-token tiles (several blocks in one tile, one block over several); the forward's
 # long-sequence tiles (128 queries) at these short lengths; every kernel's heads in two column tiles, the forward's so
 # at its long tiles, dq's alone, and none
-PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_keys=SIXTEEN,
-                                              grad_keys_narrow=SIXTEEN),
+PARALLEL_TILINGS = {"shipped": {}, "16": dict(forward=SIXTEEN, grad_queries=SIXTEEN, grad_queries_narrow=SIXTEEN,
+                                              grad_keys=SIXTEEN, grad_keys_narrow=SIXTEEN),
                     "long": dict(long_over=0), "split heads": dict(split_heads=parallel.SPLIT_KERNELS),
                     "split heads, long": dict(split_heads=("forward",), long_over=0),
                     "split dq": dict(split_heads=("grad_queries",)), "one tile": dict(split_heads=())}

@@ -269,6 +269,27 @@ def test_head_tiles_cover_a_head_in_one_or_two_tensor_core_tiles_with_the_least_
                                                                    (32, 0)]
 
 
+@pytest.mark.parametrize("d", [32, 72])
+def test_the_quadratic_forms_gradient_launches_take_the_settings_of_their_head_width(d, monkeypatch):
+    """An f+b through `mhla_attention` at 256 tokens (the quadratic form): with SANA's 32-wide heads both gradient
+    launches take `parallel.CONFIG`'s "_narrow" settings (H100, session 62: 128 queries a dq program, 1.07x faster
+    f+b at SANA-1.6B 512 px, 1.05x slower at DiT's heads), with DiT's 72-wide heads the others; each launch gets its
+    entry's tiles, warps and stages. The kernels are recorders (nothing runs)."""
+    from mhla_diffusion.kernels import parallel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = _record_launches(monkeypatch, ("_parallel_kernel", "_parallel_grad_kernel"))
+    q, k, v = (torch.randn(1, 256, 2, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mhla_attention(q, k, v, locality_mix((1, 4, 4)).requires_grad_(), (1, 16, 16), (1, 4, 4),
+                   backend="triton").sum().backward()
+    taken = [(kw["KEYS"], kw["OWN"], kw["WALK"], kw["num_warps"], kw["num_stages"])
+             for _, kw in launches["_parallel_grad_kernel"]]
+    suffix = "_narrow" if d == 32 else ""
+    assert taken == [(keys, *parallel.CONFIG[entry + suffix].values())
+                     for keys, entry in ((False, "grad_queries"), (True, "grad_keys"))]
+    assert parallel.CONFIG["grad_queries_narrow"] != parallel.CONFIG["grad_queries"]
+
+
 def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 12, 2, 8)
