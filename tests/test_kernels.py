@@ -285,7 +285,8 @@ def test_the_quadratic_forms_gradient_launches_take_the_settings_of_their_head_w
     taken = [(kw["KEYS"], kw["OWN"], kw["WALK"], kw["num_warps"], kw["num_stages"])
              for _, kw in launches["_parallel_grad_kernel"]]
     suffix = "_narrow" if d == 32 else ""
-    assert taken == [(keys, *parallel.CONFIG[entry + suffix].values())
+    settings = ("own", "walk", "num_warps", "num_stages")
+    assert taken == [(keys, *(parallel.CONFIG[entry + suffix][key] for key in settings))
                      for keys, entry in ((False, "grad_queries"), (True, "grad_keys"))]
     assert parallel.CONFIG["grad_queries_narrow"] != parallel.CONFIG["grad_queries"]
 
