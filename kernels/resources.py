@@ -130,6 +130,11 @@ KERNELS = {
     "parallel grad dk dv dmix d72": (parallel._parallel_grad_kernel, "parallel", dict(KEYS=True, grid=(1, 16, 16))),
     "parallel grad dk dv dmix d72, heads 64 + 16": (parallel._parallel_grad_kernel, "parallel",
                                                     dict(KEYS=True, grid=(1, 16, 16), SPLIT_HEADS=True)),
+    # and for SANA-1.6B 512 px's 70 x 32 heads (256 tokens, 16 blocks): the launches of the "_narrow" settings
+    "parallel grad dq d32": (parallel._parallel_grad_kernel, "parallel",
+                             dict(KEYS=False, grid=(1, 16, 16), HEADS=(70, 32))),
+    "parallel grad dk dv dmix d32": (parallel._parallel_grad_kernel, "parallel",
+                                     dict(KEYS=True, grid=(1, 16, 16), HEADS=(70, 32))),
 }
 
 
@@ -207,19 +212,22 @@ def _mix_row(constexprs: dict, settings: dict) -> tuple[dict, dict, set]:
 
 def _parallel_row(constexprs: dict) -> tuple[dict, dict]:
     """Arguments and settings of a quadratic-form row: `parallel._launch_args` and `parallel.launch_settings` for
-    16 x 72 heads (DiT-XL/2, PixArt) over the grid the row names (bf16, normalized, relu, "auto" blocks), sizes
-    specialized as the JIT specializes them; the head tiles as the row names them ("SPLIT_HEADS", not a kernel
-    argument), else as CONFIG["split_heads"] says."""
+    the heads the row names ("HEADS": (heads, features), not a kernel argument; 16 x 72, DiT-XL/2's and PixArt's,
+    if it names none) over the grid it names (bf16, normalized, relu, "auto" blocks), sizes specialized as the JIT
+    specializes them; the head tiles as the row names them ("SPLIT_HEADS", not a kernel argument), else as
+    CONFIG["split_heads"] says."""
     constexprs = dict(constexprs)
     grid = constexprs.pop("grid")
     split = constexprs.pop("SPLIT_HEADS", None)
+    heads, width = constexprs.pop("HEADS", (16, 72))
     blocks = resolve_blocks(grid, "auto")
     n, m = math.prod(grid), math.prod(blocks)
-    q = torch.empty((1, n, 16, 72), dtype=torch.bfloat16, device="meta")
+    q = torch.empty((1, n, heads, width), dtype=torch.bfloat16, device="meta")
     sizes, meta = parallel._launch_args(q, q, torch.empty((m, m), device="meta"), grid, blocks, elu=False,
                                         normalize=True, strided=(q,))
     kernel = "forward" if "KEYS" not in constexprs else "grad_keys" if constexprs["KEYS"] else "grad_queries"
-    meta.update(parallel.head_tile_args(72, 72, kernel in parallel.CONFIG["split_heads"] if split is None else split))
+    meta.update(parallel.head_tile_args(width, width,
+                                        kernel in parallel.CONFIG["split_heads"] if split is None else split))
     return {**dict(zip(("heads", "M"), sizes)), **meta, **constexprs}, parallel.launch_settings(kernel, n, q.shape[-1])
 
 
