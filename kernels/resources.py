@@ -6,18 +6,18 @@ For each token kernel at its bf16, 128 x 128 launch configuration (`mhla.CONFIG`
 `mhla.SHORTEST_CONFIG` and `mhla.SHORT_CONFIG` for the DiT rows' 42- and 64-token blocks), specialized as the JIT
 specializes a real call over contiguous tensors (pointers and strides divisible by 16, RoPE tables' included, but the
 token tensors' head strides: the head dim, 72 in the DiT rows, which the JIT leaves unmarked and `_head` marks
-8-aligned, `mhla.head_align`; head dims are constexprs: 128, and 72 in the DiT rows; bf16 summaries and RoPE tables, as
-an all-bf16 call passes them), prints registers per thread, stack (spilled) bytes, shared memory, and counts of the SASS
-instructions that decide speed: tensor-core ops (HGMMA: Hopper's wgmma; HMMA: the warp-level mma that tiles of under 64
-rows get), async copies (LDGSTS), 16-byte and scalar 16-bit global loads, local-memory traffic (LDL/STL) and
-integer/float divisions' helper ops (MUFU, I2F/F2I). Costs no device time: Triton's bundled ptxas compiles and its
-cuobjdump reads the binary. Registers over 128 at 8 warps mean one program per SM; LDG.E.U16 in a hot loop means a load
-lost its vectorization. The mixing GEMM's rows (`mhla.CONFIG["mix"]`) are at the 14B model's 252 blocks, where a program
-holds 128 rows of mix (CONFIG's "wide") over all 256 (padded) columns, and at DiT-XL/2 512 px's 30 blocks, where it
-reads the fp32 matrix unpadded and mixes z too. A row may name another input type ("DTYPE": the fp16 key-gradient row,
-on fp16's untuned settings with fp32 S and tables). `row_settings` and `compile_row` also compile a row for another GPU
-at other settings: the tests check that the settings `fitting.smaller` steps down to fit an A100's and a 4090's shared
-memory.
+8-aligned, `mhla.head_align`, and 32 in the SANA-1.6B rows, which it marks; head dims are constexprs: 128, 72 in the DiT
+rows and 32 in the SANA-1.6B rows; bf16 summaries and RoPE tables, as an all-bf16 call passes them), prints registers
+per thread, stack (spilled) bytes, shared memory, and counts of the SASS instructions that decide speed: tensor-core ops
+(HGMMA: Hopper's wgmma; HMMA: the warp-level mma that tiles of under 64 rows get), async copies (LDGSTS), 16-byte and
+scalar 16-bit global loads, local-memory traffic (LDL/STL) and integer/float divisions' helper ops (MUFU, I2F/F2I).
+Costs no device time: Triton's bundled ptxas compiles and its cuobjdump reads the binary. Registers over 128 at 8 warps
+mean one program per SM; LDG.E.U16 in a hot loop means a load lost its vectorization. The mixing GEMM's rows
+(`mhla.CONFIG["mix"]`) are at the 14B model's 252 blocks, where a program holds 128 rows of mix (CONFIG's "wide") over
+all 256 (padded) columns, and at DiT-XL/2 512 px's 30 blocks, where it reads the fp32 matrix unpadded and mixes z too. A
+row may name another input type ("DTYPE": the fp16 key-gradient row, on fp16's untuned settings with fp32 S and tables).
+`row_settings` and `compile_row` also compile a row for another GPU at other settings: the tests check that the settings
+`fitting.smaller` steps down to fit an A100's and a 4090's shared memory.
 """
 
 from __future__ import annotations
